@@ -1,0 +1,108 @@
+"""Engine configuration: one dataclass per concern, every default in this file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Whisper's fixed geometry: every encoder input is 30 s of 16 kHz audio, 3000 mel frames,
+# which the encoder's stride-2 convolution turns into 1500 positions.
+SAMPLE_RATE = 16_000
+CHUNK_SECONDS = 30
+N_SAMPLES = SAMPLE_RATE * CHUNK_SECONDS
+HOP_LENGTH = 160
+N_FFT = 400
+N_FRAMES = N_SAMPLES // HOP_LENGTH
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # Exact fp32 on CPU until the CPU fast path lands; half precision on GPUs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(set(DTYPES)))}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    # A hub id, a local directory (HF or CTranslate2 layout), a short name such as "tiny.en",
+    # or None for the bundled default.
+    model: str | None = None
+    # "auto" reads real weights; "dummy" builds random weights with the real architecture.
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    revision: str | None = None
+    download_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load format {self.load_format!r}; choose auto or dummy")
+
+
+@dataclass
+class CacheConfig:
+    # Tokens per KV block. A request's cross-attention takes ceil(1500 / block_size) blocks.
+    block_size: int = 16
+    # Exact pool size; when None the pool comes from the memory budget below.
+    num_kv_blocks: int | None = None
+    # Memory for the KV pool. None: on CUDA a share of free GPU memory
+    # (gpu_memory_utilization); on CPU enough for max_num_seqs full-length requests.
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+
+
+@dataclass
+class SchedulerConfig:
+    # Requests decoded together in one step.
+    max_num_seqs: int = 64
+    # Audios one encoder forward takes: the per-step encoder budget.
+    max_encoder_batch: int = 8
+    # Encoder outputs held at once (the encoder cache); defaults to the encoder budget.
+    encoder_cache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_encoder_batch < 1:
+            raise ValueError("max_num_seqs and max_encoder_batch must be at least 1")
+        if self.encoder_cache_size is None:
+            self.encoder_cache_size = self.max_encoder_batch
+        if self.encoder_cache_size < 1:
+            raise ValueError("encoder_cache_size must be at least 1")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Pad each decoder step to a multiple of this many tokens (at least two multiples) so
+    # matrix kernels see the same shapes whatever else is in the batch: a request's tokens
+    # then do not depend on its neighbours. 0 turns padding off.
+    batch_invariant_padding: int = 8

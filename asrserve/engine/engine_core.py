@@ -1,0 +1,130 @@
+"""The synchronous engine: requests in, one schedule -> execute -> update step at a time."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from asrserve.config import SAMPLE_RATE, EngineConfig, N_SAMPLES, resolve_device, resolve_dtype
+from asrserve.engine.block_manager import BlockManager
+from asrserve.engine.encoder_cache import EncoderCacheManager
+from asrserve.engine.request import Request, SamplingParams
+from asrserve.engine.scheduler import RequestOutput, Scheduler
+from asrserve.errors import InvalidRequestError
+from asrserve.model.languages import LANGUAGES, normalize_language
+from asrserve.model.loader import load_model
+from asrserve.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("transcribe", "translate")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        loaded = load_model(config.model, self.device, self.dtype)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.dims = loaded.model.dims
+        self.runner = ModelRunner(loaded, config, self.device, self.dtype)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.cache.block_size, self.dims.n_audio_ctx)
+        self.encoder_cache = EncoderCacheManager(config.scheduler.encoder_cache_size)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.encoder_cache, self.tokenizer, self.dims.n_text_ctx
+        )
+        logger.info(
+            "loaded %s from %s on %s (%s); KV pool: %d blocks of %d tokens",
+            loaded.name, loaded.source, self.device, str(self.dtype).removeprefix("torch."),
+            self.runner.num_kv_blocks, config.cache.block_size,
+        )
+
+    @property
+    def is_multilingual(self) -> bool:
+        return self.tokenizer.is_multilingual
+
+    def add_request(
+        self,
+        request_id: str,
+        audio: np.ndarray,
+        language: str | None = None,
+        task: str = "transcribe",
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
+
+        Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
+        sampling_params = sampling_params or SamplingParams()
+        self._check_audio(audio)
+        language = self.check_language(language, task)
+        prompt = self.tokenizer.sot_sequence(language, task)
+        detect_language = language is None and self.is_multilingual
+        # Whisper's sample_len: half the decoder context, and never past its end.
+        prompt_len = len(prompt) + (3 if detect_language else 0)
+        limit = self.dims.n_text_ctx - prompt_len
+        max_tokens = min(sampling_params.max_tokens or self.dims.n_text_ctx // 2, limit)
+        request = Request(
+            request_id, audio, prompt, sampling_params, max_tokens, task=task, detect_language=detect_language
+        )
+        request.language = language if self.is_multilingual else "en"
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.scheduler.add(request)
+
+    def check_language(self, language: str | None, task: str) -> str | None:
+        """Normalises the language code and checks that the model can do the task in it."""
+        if task not in TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        if not self.is_multilingual and task == "translate":
+            raise InvalidRequestError(
+                f"{self.model_name} is an English-only model and cannot translate; use a multilingual model"
+            )
+        if language is None:
+            return None
+        code = normalize_language(language)
+        if code is None:
+            raise InvalidRequestError(f"unsupported language {language!r}; use an ISO-639-1 code such as 'en'")
+        if code not in self.tokenizer.languages:
+            if not self.is_multilingual:
+                raise InvalidRequestError(
+                    f"{self.model_name} is an English-only model; it cannot transcribe {LANGUAGES[code]} ({code})"
+                )
+            raise InvalidRequestError(f"{self.model_name} does not know the language {code!r}")
+        return code
+
+    @staticmethod
+    def _check_audio(audio: np.ndarray) -> None:
+        if not isinstance(audio, np.ndarray) or audio.ndim != 1 or audio.dtype != np.float32:
+            raise InvalidRequestError("audio must be a 1-D float32 array of 16 kHz samples")
+        if audio.size == 0:
+            raise InvalidRequestError("audio is empty: it has no samples")
+        if audio.size > N_SAMPLES:
+            raise InvalidRequestError(
+                f"audio is {audio.size / SAMPLE_RATE:.1f} s long; one engine request takes at most "
+                f"{N_SAMPLES // SAMPLE_RATE} s (split longer audio first)"
+            )
+        if not np.isfinite(audio).all():
+            raise InvalidRequestError("audio contains NaN or infinite samples")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return RequestOutput(request_id, [], [], True, "abort", request.language)
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        sampled = self.runner.execute(scheduler_output)
+        return self.scheduler.update(scheduler_output, sampled)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or encoder outputs the runner has yet to drop."""
+        return self.has_unfinished_requests() or self.encoder_cache.num_pending_frees > 0

@@ -1,0 +1,108 @@
+"""One engine request: a piece of audio of at most 30 s, its decoder tokens and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    # 0 decodes greedily; above 0 samples from softmax(logits / temperature).
+    temperature: float = 0.0
+    # Seeds this request's own generator, so its samples do not depend on its neighbours.
+    seed: int | None = None
+    # Tokens to generate at most; None: half the decoder context (Whisper's sample_len, 224).
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 2.0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+# waiting -> running -> finished/aborted; preemption sends a running request back to waiting.
+_TRANSITIONS = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.ABORTED},
+    RequestStatus.RUNNING: {RequestStatus.WAITING, RequestStatus.FINISHED, RequestStatus.ABORTED},
+    RequestStatus.FINISHED: set(),
+    RequestStatus.ABORTED: set(),
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        audio: np.ndarray,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        task: str = "transcribe",
+        detect_language: bool = False,
+    ):
+        self.request_id = request_id
+        self.audio = audio  # 16 kHz mono float32, at most 30 s
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+
+        # Decoder tokens: the prompt (which grows by language and task tokens once the language
+        # is detected) and the sampled outputs. K/V of the first num_computed_tokens are cached.
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        # Multilingual audio without a language: the first step picks it among the language
+        # tokens, then the language, task and <|notimestamps|> tokens extend the prompt.
+        self.task = task
+        self.needs_language = detect_language
+        self.language: str | None = None
+        self.language_prob: float | None = None
+
+        # Owned block tables (the block manager owns only the pool).
+        self.self_block_table: list[int] = []
+        self.cross_block_table: list[int] = []
+        # Whether this admission's cross-attention K/V is in its blocks yet.
+        self.cross_kv_written = False
+        self.num_preemptions = 0
+        # The sampler's generator for temperature sampling (torch.Generator), made on first use.
+        self.generator = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose K/V the next step computes: the prompt on admission (prompt and
+        outputs after a preemption), the last sampled token afterwards."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def set_status(self, status: RequestStatus) -> None:
+        assert status in _TRANSITIONS[self.status], f"{self.request_id}: {self.status} -> {status}"
+        self.status = status
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens})"

@@ -1,0 +1,218 @@
+"""Offline transcription: `ASR("tiny.en").transcribe(files)`, the engine driven in-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asrserve.audio.chunking import split_audio
+from asrserve.audio.decode import AudioError, AudioSource, load_audio
+from asrserve.config import SAMPLE_RATE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from asrserve.engine.engine_core import EngineCore
+from asrserve.engine.request import SamplingParams
+from asrserve.errors import InvalidRequestError
+
+# Scripts written without spaces between words: their pieces join without one.
+_NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue", "bo"}
+
+
+@dataclass
+class Transcription:
+    text: str
+    language: str | None
+    duration: float  # seconds of input audio
+    token_ids: list[int] = field(default_factory=list)  # every piece's output tokens, in order
+    avg_logprob: float | None = None
+    source: str | None = None  # the file name, when the input was a file
+    error: str | None = None  # why this input produced no transcript (errors="return")
+
+
+@dataclass
+class _Job:
+    """One input: its pieces become engine requests; it completes when all of them do."""
+
+    index: int
+    source: str | None
+    duration: float = 0.0
+    pieces: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    languages: list[str | None] = field(default_factory=list)
+    remaining: int = 0
+    error: str | None = None
+
+
+class ASR:
+    """A Whisper model behind the continuous-batching engine, for in-process use.
+
+    model: a hub id, local directory, short name ("tiny.en", "base", ...) or None for the
+    bundled default. The remaining arguments configure the engine (see asrserve.config).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        load_format: str = "auto",
+        max_num_seqs: int = 64,
+        max_encoder_batch: int = 8,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+    ):
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, load_format=load_format),
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_encoder_batch=max_encoder_batch),
+        )
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = itertools.count()
+
+    def transcribe(
+        self,
+        audio: AudioSource | Iterable[AudioSource],
+        *,
+        language: str | None = None,
+        task: str = "transcribe",
+        temperature: float = 0.0,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        errors: str = "raise",
+        progress: bool = False,
+    ) -> list[Transcription]:
+        """Transcribes one input or many (paths, encoded bytes, or 16 kHz float arrays).
+
+        Audio longer than 30 s is cut at quiet points and its pieces transcribed together.
+        errors="raise" raises AudioError / InvalidRequestError for the first bad input before
+        anything runs; errors="return" gives that input a Transcription with `error` set.
+        """
+        sources = [audio] if _is_single(audio) else list(audio)
+        results: list[Transcription | None] = [None] * len(sources)
+        for index, transcription in self.transcribe_iter(
+            sources, language=language, task=task, temperature=temperature, seed=seed,
+            max_tokens=max_tokens, errors=errors, progress=progress,
+        ):
+            results[index] = transcription
+        return results  # type: ignore[return-value]
+
+    def transcribe_iter(
+        self,
+        sources: list[AudioSource],
+        *,
+        language: str | None = None,
+        task: str = "transcribe",
+        temperature: float = 0.0,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        errors: str = "raise",
+        progress: bool = False,
+        max_in_flight: int | None = None,
+    ) -> Iterator[tuple[int, Transcription]]:
+        """Yields (input index, transcription) as each input completes. Inputs are decoded
+        lazily, keeping at most max_in_flight pieces queued, so a long list of files never
+        sits in memory at once."""
+        if errors not in ("raise", "return"):
+            raise ValueError("errors must be 'raise' or 'return'")
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+        language = self.engine.check_language(language, task)
+        max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
+        engine = self.engine
+        pending = iter(enumerate(sources))
+        jobs_by_request: dict[str, tuple[_Job, int]] = {}  # request id -> (job, piece index)
+        in_flight = 0
+        bar = _progress_bar(len(sources)) if progress else None
+
+        def submit(index: int, source: AudioSource) -> _Job:
+            job = _Job(index, str(source) if isinstance(source, (str, Path)) else None)
+            try:
+                samples = load_audio(source)
+            except AudioError as error:
+                if errors == "raise":
+                    raise
+                job.error = str(error)
+                return job
+            job.duration = len(samples) / SAMPLE_RATE
+            pieces = split_audio(samples)
+            job.pieces = [[] for _ in pieces]
+            job.logprobs = [[] for _ in pieces]
+            job.languages = [language] * len(pieces)
+            job.remaining = len(pieces)
+            for piece_index, piece in enumerate(pieces):
+                request_id = f"offline-{next(self._next_id)}"
+                engine.add_request(request_id, piece.samples, language, task, params)
+                jobs_by_request[request_id] = (job, piece_index)
+            return job
+
+        try:
+            exhausted = False
+            while True:
+                while not exhausted and in_flight < max_in_flight:
+                    item = next(pending, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    job = submit(*item)
+                    if job.remaining == 0:
+                        if bar is not None:
+                            bar.update(1)
+                        yield job.index, self._finish(job)
+                    in_flight += job.remaining
+                if not engine.has_work():
+                    break
+                for output in engine.step():
+                    job, piece_index = jobs_by_request[output.request_id]
+                    job.pieces[piece_index].extend(output.new_token_ids)
+                    job.logprobs[piece_index].extend(output.new_logprobs)
+                    if output.language is not None:
+                        job.languages[piece_index] = output.language
+                    if output.finished:
+                        del jobs_by_request[output.request_id]
+                        in_flight -= 1
+                        job.remaining -= 1
+                        if job.remaining == 0:
+                            if bar is not None:
+                                bar.update(1)
+                            yield job.index, self._finish(job)
+        finally:
+            for request_id in list(jobs_by_request):  # the caller stopped early: free everything
+                engine.abort(request_id)
+            while engine.has_work():
+                engine.step()
+            if bar is not None:
+                bar.close()
+
+    def _finish(self, job: _Job) -> Transcription:
+        if job.error is not None:
+            return Transcription("", None, 0.0, source=job.source, error=job.error)
+        language = next((lang for lang in job.languages if lang), None)
+        separator = "" if language in _NO_SPACE_LANGUAGES else " "
+        texts = [self.tokenizer.decode(tokens).strip() for tokens in job.pieces]
+        all_tokens = [t for tokens in job.pieces for t in tokens]
+        all_logprobs = [lp for logprobs in job.logprobs for lp in logprobs]
+        return Transcription(
+            text=separator.join(t for t in texts if t),
+            language=language,
+            duration=job.duration,
+            token_ids=all_tokens,
+            avg_logprob=sum(all_logprobs) / len(all_logprobs) if all_logprobs else None,
+            source=job.source,
+        )
+
+
+def _is_single(audio) -> bool:
+    import numpy as np
+
+    return isinstance(audio, (str, Path, bytes, bytearray, np.ndarray)) or hasattr(audio, "read")
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="file", desc="transcribing", dynamic_ncols=True)
+
+
+__all__ = ["ASR", "Transcription", "AudioError", "InvalidRequestError"]

@@ -1,0 +1,94 @@
+"""Paged attention over the shared KV block pool: the torch gather path.
+
+The pool is one tensor [num_layers, 2 (K, V), num_blocks, block_size, heads, head_dim]. A
+request's tokens live in the blocks its block table names; slot = block * block_size + offset.
+Self-attention blocks grow with the decoded text; cross-attention blocks hold the K/V of the
+request's 1500 encoder positions, written once. This path gathers each request's blocks into a
+padded batch and runs one SDPA call for the whole step: it is the CPU path and the reference
+for faster kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one decoder step's tokens read and write the KV pool; shared by all layers."""
+
+    num_seqs: int
+    num_tokens: int  # real tokens; the hidden states may carry padding rows after them
+    max_query_len: int
+    slot_mapping: torch.Tensor  # [num_tokens] self-attention slot each new token writes
+    self_block_tables: torch.Tensor  # [num_seqs, max_self_blocks]
+    # [num_seqs, 1, max_query_len, max_self_blocks * block_size], True = may attend
+    self_attn_mask: torch.Tensor
+    cross_block_tables: torch.Tensor  # [num_seqs, cross_blocks]
+    cross_len: int  # encoder positions (1500)
+    # token i of the flat batch sits at row padded_index[i] of [num_seqs * max_query_len];
+    # None when every request has exactly one new token (pure decode)
+    padded_index: torch.Tensor | None
+
+
+def write_kv(
+    layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores [num, heads, head_dim] keys and values at their slots of one layer's pool."""
+    num_heads, head_dim = key.shape[-2:]
+    layer_cache[0].view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, key)
+    layer_cache[1].view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    metadata: AttentionMetadata,
+    attn_mask: torch.Tensor | None = None,
+    key_len: int | None = None,
+) -> torch.Tensor:
+    """query [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim].
+
+    Keys are the blocks of each request's table, in order; key_len trims the gathered keys
+    (cross-attention's 1500 of ceil(1500 / block_size) * block_size) and attn_mask hides the
+    rest (self-attention's causal, per-request length).
+    """
+    num_seqs, max_query_len = metadata.num_seqs, metadata.max_query_len
+    num_heads, head_dim = query.shape[-2:]
+    keys = layer_cache[0][block_tables].flatten(1, 2)  # [num_seqs, blocks * block_size, heads, head_dim]
+    values = layer_cache[1][block_tables].flatten(1, 2)
+    if key_len is not None:
+        keys, values = keys[:, :key_len], values[:, :key_len]
+
+    if metadata.padded_index is None:
+        queries = query.view(num_seqs, 1, num_heads, head_dim)
+    else:
+        queries = query.new_zeros(num_seqs * max_query_len, num_heads, head_dim)
+        queries.index_copy_(0, metadata.padded_index, query)
+        queries = queries.view(num_seqs, max_query_len, num_heads, head_dim)
+
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
+    )
+    out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads * head_dim)
+    if metadata.padded_index is not None:
+        out = out.index_select(0, metadata.padded_index)
+    return out
+
+
+def build_self_attn_mask(
+    context_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, num_key_slots: int
+) -> torch.Tensor:
+    """Causal mask within each request's context: query i of a request whose context (after
+    this step's tokens) is L and which adds q tokens sits at position L - q + i and sees keys
+    0 ... L - q + i. Padding query rows see key 0 only, so no row is all-masked."""
+    query_offsets = torch.arange(max_query_len, device=context_lens.device)
+    query_positions = (context_lens - query_lens)[:, None] + query_offsets[None, :]
+    query_positions = torch.where(query_offsets[None, :] < query_lens[:, None], query_positions, 0)
+    key_positions = torch.arange(num_key_slots, device=context_lens.device)
+    mask = key_positions[None, None, :] <= query_positions[:, :, None]
+    return mask[:, None]  # broadcast over heads

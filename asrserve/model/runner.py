@@ -1,0 +1,198 @@
+"""Executes one scheduled step on the device: log-mel and one encoder forward for the new
+audios, their cross-attention K/V into their blocks, one decoder forward over every scheduled
+request, then sampling."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asrserve.audio.features import LogMelSpectrogram
+from asrserve.config import EngineConfig
+from asrserve.engine.request import Request
+from asrserve.engine.scheduler import SchedulerOutput
+from asrserve.model.attention import AttentionMetadata, build_self_attn_mask
+from asrserve.model.loader import LoadedModel
+from asrserve.model.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_CAP_BYTES = 4 << 30  # default CPU pool: what max_num_seqs needs, at most 4 GiB
+
+
+@dataclass
+class DecoderInputs:
+    input_ids: torch.Tensor  # [padded tokens]
+    positions: torch.Tensor  # [padded tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [padded requests] row of each request's last token
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.model = loaded.model
+        self.dims = loaded.model.dims
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache.block_size
+        self.padding_multiple = config.batch_invariant_padding
+        self.log_mel = LogMelSpectrogram(self.dims.n_mels, device)
+        self.sampler = Sampler(
+            loaded.generation.suppress_tokens,
+            loaded.generation.begin_suppress_tokens,
+            list(loaded.tokenizer.special.language_ids.values()),
+            self.dims.n_vocab,
+            device,
+        )
+        self.num_cross_blocks = math.ceil(self.dims.n_audio_ctx / self.block_size)
+        self.num_kv_blocks = self._num_kv_blocks(config)
+        head_dim = self.dims.n_text_state // self.dims.n_text_head
+        # Zeroed, not empty: padded block-table entries gather masked but real memory, and a
+        # NaN there would leak through the masked softmax.
+        self.kv_cache = torch.zeros(
+            self.dims.n_text_layer, 2, self.num_kv_blocks, self.block_size, self.dims.n_text_head, head_dim,
+            dtype=dtype, device=device,
+        )
+        # Encoder outputs by request id, from the encoder forward until the scheduler says
+        # (one step after their consumption) that they may go.
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.encoder_batch_sizes: Counter[int] = Counter()  # audios per encoder forward
+
+    # --- sizing the KV pool -----------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return self.dims.n_text_layer * 2 * self.block_size * self.dims.n_text_state * element
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        cache = config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory_gb is not None:
+            return int(cache.kv_cache_memory_gb * (1 << 30)) // self.kv_block_bytes
+        per_request = self.num_cross_blocks + math.ceil(self.dims.n_text_ctx / self.block_size)
+        wanted = config.scheduler.max_num_seqs * per_request
+        if self.device.type == "cuda":
+            budget = self._free_gpu_memory_after_profiling(config)
+            return max(0, budget // self.kv_block_bytes)
+        return min(wanted, _CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes)
+
+    @torch.inference_mode()
+    def _free_gpu_memory_after_profiling(self, config: EngineConfig) -> int:
+        """Memory left for the pool: the configured share of the GPU, less the weights and the
+        peak of a full encoder batch, less what other processes hold."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        mel = torch.zeros(config.scheduler.max_encoder_batch, self.dims.n_mels, 3000, dtype=self.dtype, device=self.device)
+        self.model.encoder(mel)
+        del mel
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return int(total * config.cache.gpu_memory_utilization - used_by_others - peak)
+
+    # --- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        for request_id in scheduler_output.freed_encoder_ids:
+            self.encoder_outputs.pop(request_id)
+        if scheduler_output.encoder_requests:
+            self._run_encoder(scheduler_output.encoder_requests)
+            self._write_cross_kv(scheduler_output.encoder_requests)
+        if not scheduler_output.scheduled:
+            return SamplerOutput([], [])
+        inputs = self._prepare_decoder_inputs(scheduler_output.scheduled)
+        hidden = self.model.decoder(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
+        logits = self.model.decoder.compute_logits(hidden[inputs.logits_indices])
+        return self.sampler(logits[: len(scheduler_output.scheduled)], scheduler_output.scheduled)
+
+    def _run_encoder(self, requests: list[Request]) -> None:
+        """One encoder forward for all new audios: [N, n_mels, 3000] -> [N, 1500, d]."""
+        mel = self.log_mel([r.audio for r in requests]).to(self.dtype)
+        encoded = self.model.encoder(mel)
+        self.encoder_batch_sizes[len(requests)] += 1
+        for request, output in zip(requests, encoded):
+            assert request.request_id not in self.encoder_outputs, request
+            self.encoder_outputs[request.request_id] = output
+
+    def _write_cross_kv(self, requests: list[Request]) -> None:
+        encoder_out = torch.stack([self.encoder_outputs[r.request_id] for r in requests])
+        block_tables = torch.tensor([r.cross_block_table for r in requests], dtype=torch.long)
+        offsets = torch.arange(self.block_size)
+        slots = (block_tables[:, :, None] * self.block_size + offsets).flatten(1)[:, : self.dims.n_audio_ctx]
+        self.model.decoder.write_cross_kv(encoder_out, self.kv_cache, slots.flatten().to(self.device))
+
+    def _prepare_decoder_inputs(self, requests: list[Request]) -> DecoderInputs:
+        """Flattens every request's uncomputed tokens into one batch, with the pool slots they
+        write and the blocks they read."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens = [], []
+        for request in requests:
+            start, end = request.num_computed_tokens, request.num_tokens
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+        num_seqs, num_tokens, max_query_len = len(requests), len(token_ids), max(query_lens)
+
+        max_self_blocks = max(len(r.self_block_table) for r in requests)
+        self_tables = np.zeros((num_seqs, max_self_blocks), dtype=np.int64)
+        for row, request in zip(self_tables, requests):
+            row[: len(request.self_block_table)] = request.self_block_table
+        flat_positions = np.asarray(positions, dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        slot_mapping = (
+            self_tables[seq_of_token, flat_positions // self.block_size] * self.block_size
+            + flat_positions % self.block_size
+        )
+        cross_tables = np.asarray([r.cross_block_table for r in requests], dtype=np.int64)
+
+        query_lens_t = torch.tensor(query_lens, device=self.device)
+        context_lens_t = torch.tensor(context_lens, device=self.device)
+        padded_index = None
+        if max_query_len > 1:
+            first_token = np.cumsum([0, *query_lens[:-1]])
+            offset_in_seq = np.arange(num_tokens) - first_token[seq_of_token]
+            padded_index = self._tensor(seq_of_token * max_query_len + offset_in_seq)
+
+        metadata = AttentionMetadata(
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            max_query_len=max_query_len,
+            slot_mapping=self._tensor(slot_mapping),
+            self_block_tables=self._tensor(self_tables),
+            self_attn_mask=build_self_attn_mask(
+                context_lens_t, query_lens_t, max_query_len, max_self_blocks * self.block_size
+            ),
+            cross_block_tables=self._tensor(cross_tables),
+            cross_len=self.dims.n_audio_ctx,
+            padded_index=padded_index,
+        )
+        padded_tokens = self._padded_size(num_tokens)
+        last_token_rows = np.cumsum(query_lens) - 1
+        return DecoderInputs(
+            input_ids=self._tensor(np.pad(np.asarray(token_ids), (0, padded_tokens - num_tokens))),
+            positions=self._tensor(np.pad(flat_positions, (0, padded_tokens - num_tokens))),
+            metadata=metadata,
+            logits_indices=self._tensor(np.pad(last_token_rows, (0, self._padded_size(num_seqs) - num_seqs))),
+        )
+
+    def _padded_size(self, rows: int) -> int:
+        """Rows rounded up so matrix kernels take the same code path for every batch: small
+        GEMMs switch kernels (and rounding) with their row count."""
+        multiple = self.padding_multiple
+        if multiple <= 0:
+            return rows
+        return max(2 * multiple, -(-rows // multiple) * multiple)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device, non_blocking=True)

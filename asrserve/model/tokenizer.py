@@ -1,0 +1,122 @@
+"""Whisper's tokenizer: BPE text from tokenizer.json plus the special-token ids the engine needs.
+
+Special tokens sit at fixed offsets from the end of the vocabulary (1501 timestamp tokens, then
+<|notimestamps|>, <|nospeech|>, ... back to <|startoftranscript|>), so their ids follow from the
+model's vocabulary size alone. That is how dummy checkpoints get real ids, and it covers
+tokenizer files that omit the timestamp tokens (tiny.en's does). Where the tokenizer file has
+a special token we check that it agrees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from asrserve.model.languages import LANGUAGES
+
+NUM_TIMESTAMP_TOKENS = 1501  # <|0.00|> ... <|30.00|> in steps of 0.02 s
+ENGLISH_EOT = 50256  # the GPT-2 vocabulary's <|endoftext|>; multilingual models have one more
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    eot: int
+    sot: int
+    translate: int
+    transcribe: int
+    sot_lm: int
+    sot_prev: int
+    no_speech: int
+    no_timestamps: int
+    timestamp_begin: int
+    language_ids: dict[str, int] = field(repr=False)
+
+    @classmethod
+    def for_vocab(cls, vocab_size: int) -> "SpecialTokens":
+        multilingual = vocab_size >= 51865
+        eot = ENGLISH_EOT + int(multilingual)
+        timestamp_begin = vocab_size - NUM_TIMESTAMP_TOKENS
+        translate = timestamp_begin - 6
+        num_languages = translate - (eot + 2)
+        if not 1 <= num_languages <= len(LANGUAGES):
+            raise ValueError(f"vocabulary size {vocab_size} is not a Whisper vocabulary")
+        language_ids = {code: eot + 2 + i for i, code in enumerate(list(LANGUAGES)[:num_languages])}
+        return cls(
+            eot=eot,
+            sot=eot + 1,
+            translate=translate,
+            transcribe=translate + 1,
+            sot_lm=translate + 2,
+            sot_prev=translate + 3,
+            no_speech=translate + 4,
+            no_timestamps=translate + 5,
+            timestamp_begin=timestamp_begin,
+            language_ids=language_ids,
+        )
+
+
+class WhisperTokenizer:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, verify: bool = True):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.special = SpecialTokens.for_vocab(vocab_size)
+        self.is_multilingual = vocab_size >= 51865
+        self._language_by_id = {token_id: code for code, token_id in self.special.language_ids.items()}
+        if verify:
+            self._check_against_file()
+
+    @classmethod
+    def from_dir(cls, path: Path, vocab_size: int) -> "WhisperTokenizer":
+        tokenizer_json = path / "tokenizer.json"
+        if tokenizer_json.is_file():
+            return cls(Tokenizer.from_file(str(tokenizer_json)), vocab_size)
+        # vocab.json + merges.txt only: let transformers assemble the fast tokenizer.
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(path)).backend_tokenizer, vocab_size)
+
+    def _check_against_file(self) -> None:
+        names = {
+            "<|endoftext|>": self.special.eot,
+            "<|startoftranscript|>": self.special.sot,
+            "<|notimestamps|>": self.special.no_timestamps,
+        }
+        if self.is_multilingual:
+            names |= {"<|transcribe|>": self.special.transcribe, "<|translate|>": self.special.translate}
+        for name, expected in names.items():
+            found = self.tokenizer.token_to_id(name)
+            if found is not None and found != expected:
+                raise ValueError(
+                    f"tokenizer has {name} at id {found} but a {self.vocab_size}-token Whisper "
+                    f"vocabulary puts it at {expected}: tokenizer and weights do not match"
+                )
+
+    @property
+    def languages(self) -> list[str]:
+        return list(self.special.language_ids) if self.is_multilingual else ["en"]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of the ordinary tokens; special and timestamp tokens are dropped."""
+        return self.tokenizer.decode([t for t in token_ids if t < self.special.eot], skip_special_tokens=True)
+
+    def sot_sequence(self, language: str | None, task: str) -> list[int]:
+        """The decoder prompt. English-only models take <|startoftranscript|><|notimestamps|>;
+        multilingual ones add language and task tokens (without a language the prompt stops at
+        <|startoftranscript|> and the first step detects it)."""
+        if not self.is_multilingual:
+            return [self.special.sot, self.special.no_timestamps]
+        if language is None:
+            return [self.special.sot]
+        return [self.special.sot, *self.task_tokens(language, task)]
+
+    def task_tokens(self, language: str, task: str) -> list[int]:
+        task_id = self.special.translate if task == "translate" else self.special.transcribe
+        return [self.special.language_ids[language], task_id, self.special.no_timestamps]
+
+    def language_of(self, token_id: int) -> str:
+        return self._language_by_id[token_id]

@@ -1,0 +1,235 @@
+"""Whisper in plain torch: a batched audio encoder and a text decoder over the paged KV pool."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asrserve.model.attention import AttentionMetadata, paged_attention, write_kv
+
+
+@dataclass(frozen=True)
+class WhisperDims:
+    n_mels: int
+    n_audio_ctx: int
+    n_audio_state: int
+    n_audio_head: int
+    n_audio_layer: int
+    n_vocab: int
+    n_text_ctx: int
+    n_text_state: int
+    n_text_head: int
+    n_text_layer: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_text_state // self.n_text_head
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10_000) -> torch.Tensor:
+    """The encoder's fixed position embedding (real checkpoints store the same values)."""
+    log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2))
+    scaled_time = torch.arange(length)[:, None] * inv_timescales[None, :]
+    return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class EncoderSelfAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # k's third of the bias stays zero
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, d_model = x.shape
+        qkv = self.qkv_proj(x).view(batch, length, 3, self.num_heads, d_model // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, d_model))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(d_model)
+        self.self_attn = EncoderSelfAttention(d_model, num_heads)
+        self.final_layer_norm = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x))
+        return x + self.mlp(self.final_layer_norm(x))
+
+
+class AudioEncoder(nn.Module):
+    """[N, n_mels, 3000] log-mel -> [N, 1500, d]: one forward for a batch of audios."""
+
+    def __init__(self, dims: WhisperDims):
+        super().__init__()
+        d_model = dims.n_audio_state
+        self.conv1 = nn.Conv1d(dims.n_mels, d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Parameter(torch.empty(dims.n_audio_ctx, d_model), requires_grad=False)
+        self.layers = nn.ModuleList(EncoderLayer(d_model, dims.n_audio_head) for _ in range(dims.n_audio_layer))
+        self.layer_norm = nn.LayerNorm(d_model)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv1(mel))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)
+        x = x + self.embed_positions
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class DecoderSelfAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = metadata.num_tokens
+        q, k, v = self.qkv_proj(x[:num_tokens]).view(num_tokens, 3, self.num_heads, -1).unbind(1)
+        write_kv(layer_cache, k, v, metadata.slot_mapping)
+        out = paged_attention(q, layer_cache, metadata.self_block_tables, metadata, attn_mask=metadata.self_attn_mask)
+        return self.out_proj(_pad_rows(out, x.shape[0]))
+
+
+class DecoderCrossAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model)  # k's half of the bias stays zero
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def write_cross_kv(self, encoder_out: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Computes K/V of [N, 1500, d] encoder outputs once and stores them in their blocks."""
+        kv = self.kv_proj(encoder_out).view(-1, 2, self.num_heads, encoder_out.shape[-1] // self.num_heads)
+        write_kv(layer_cache, kv[:, 0], kv[:, 1], slot_mapping)
+
+    def forward(self, x: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = metadata.num_tokens
+        q = self.q_proj(x[:num_tokens]).view(num_tokens, self.num_heads, -1)
+        out = paged_attention(q, layer_cache, metadata.cross_block_tables, metadata, key_len=metadata.cross_len)
+        return self.out_proj(_pad_rows(out, x.shape[0]))
+
+
+def _pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return x if x.shape[0] == num_rows else F.pad(x, (0, 0, 0, num_rows - x.shape[0]))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(d_model)
+        self.self_attn = DecoderSelfAttention(d_model, num_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d_model)
+        self.encoder_attn = DecoderCrossAttention(d_model, num_heads)
+        self.final_layer_norm = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model)
+
+    def forward(self, x: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        # Self- and cross-attention read different blocks (the request's two block tables)
+        # of the same layer pool.
+        x = x + self.self_attn(self.self_attn_layer_norm(x), layer_cache, metadata)
+        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), layer_cache, metadata)
+        return x + self.mlp(self.final_layer_norm(x))
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, dims: WhisperDims):
+        super().__init__()
+        d_model = dims.n_text_state
+        self.embed_tokens = nn.Embedding(dims.n_vocab, d_model)
+        self.embed_positions = nn.Parameter(torch.empty(dims.n_text_ctx, d_model), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(d_model, dims.n_text_head) for _ in range(dims.n_text_layer))
+        self.layer_norm = nn.LayerNorm(d_model)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Flat tokens of all scheduled requests [T] -> hidden states [T, d]."""
+        x = self.embed_tokens(input_ids) + self.embed_positions[positions]
+        for layer_cache, layer in zip(kv_cache, self.layers):
+            x = layer(x, layer_cache, metadata)
+        return self.layer_norm(x)
+
+    def write_cross_kv(self, encoder_out: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        flat = encoder_out.reshape(-1, encoder_out.shape[-1])
+        for layer_cache, layer in zip(kv_cache, self.layers):
+            layer.encoder_attn.write_cross_kv(flat, layer_cache, slot_mapping)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The output projection is tied to the token embedding.
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+
+class Whisper(nn.Module):
+    def __init__(self, dims: WhisperDims):
+        super().__init__()
+        self.dims = dims
+        self.encoder = AudioEncoder(dims)
+        self.decoder = TextDecoder(dims)
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face Whisper names, fusing q/k/v into our single projections."""
+        state = {
+            k.removeprefix("model.").replace("embed_positions.weight", "embed_positions"): v
+            for k, v in state_dict.items()
+            if k != "proj_out.weight"
+        }
+        fused: dict[str, torch.Tensor] = {}
+        for name in list(state):
+            if name.endswith("q_proj.weight") and ".self_attn." in name:
+                prefix = name[: -len("q_proj.weight")]
+                fused[prefix + "qkv_proj.weight"] = torch.cat([state.pop(prefix + p + "_proj.weight") for p in "qkv"])
+                q_bias, v_bias = state.pop(prefix + "q_proj.bias"), state.pop(prefix + "v_proj.bias")
+                fused[prefix + "qkv_proj.bias"] = torch.cat([q_bias, torch.zeros_like(q_bias), v_bias])
+            elif name.endswith("k_proj.weight") and ".encoder_attn." in name:
+                prefix = name[: -len("k_proj.weight")]
+                fused[prefix + "kv_proj.weight"] = torch.cat([state.pop(name), state.pop(prefix + "v_proj.weight")])
+                v_bias = state.pop(prefix + "v_proj.bias")
+                fused[prefix + "kv_proj.bias"] = torch.cat([torch.zeros_like(v_bias), v_bias])
+        for name in list(state):  # fc1/fc2 live in our FeedForward module
+            for fc in ("fc1", "fc2"):
+                if f".{fc}." in name:
+                    fused[name.replace(f".{fc}.", f".mlp.{fc}.")] = state.pop(name)
+        state |= fused
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the Whisper architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+
+    def init_random_weights(self, seed: int = 0) -> None:
+        """Random weights with the real architecture (`--load-format dummy`)."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+                if name.endswith("encoder.embed_positions"):
+                    param.copy_(sinusoids(*param.shape))
+                elif "layer_norm" in name:
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+                seed += 1

@@ -1,0 +1,79 @@
+"""Shared fixtures: synthetic speech, engines on the bundled tiny.en, random checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asrserve.audio.decode import load_audio
+from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+SHARED_AUDIO = Path(__file__).resolve().parents[2] / "shared" / "audio"
+
+# Sixteen sentences of different lengths (Harvard sentences and friends).
+SENTENCES = [
+    "Hello.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Please call Stella.",
+    "Ask her to bring these things with her from the store.",
+    "Six spoons of fresh snow peas, five thick slabs of blue cheese, and maybe a snack for her brother Bob.",
+    "We also need a small plastic snake and a big toy frog for the kids.",
+    "She can scoop these things into three red bags, and we will go meet her Wednesday at the train station.",
+    "It is raining.",
+    "The birch canoe slid on the smooth planks.",
+    "Glue the sheet to the dark blue background.",
+    "It is easy to tell the depth of a well.",
+    "These days a chicken leg is a rare dish.",
+    "Rice is often served in round bowls.",
+    "The juice of lemons makes fine punch.",
+    "The box was thrown beside the parked truck.",
+    "The hogs were fed chopped corn and garbage, and the farmer counted them twice before sunset.",
+]
+
+
+def synthesize(text: str, path: Path, voice: str = "en-us") -> Path:
+    subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def speech_files(tmp_path_factory) -> list[Path]:
+    """The sixteen sentences spoken by espeak-ng, as 22.05 kHz wav files."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    directory = tmp_path_factory.mktemp("speech")
+    return [synthesize(text, directory / f"clip{i:02d}.wav") for i, text in enumerate(SENTENCES)]
+
+
+@pytest.fixture(scope="session")
+def speech_audio(speech_files) -> list[np.ndarray]:
+    return [load_audio(path) for path in speech_files]
+
+
+def engine_config(model: str | None = None, **overrides) -> EngineConfig:
+    cache = CacheConfig(**{k: overrides.pop(k) for k in ("block_size", "num_kv_blocks") if k in overrides})
+    scheduler = SchedulerConfig(
+        **{k: overrides.pop(k) for k in ("max_num_seqs", "max_encoder_batch", "encoder_cache_size") if k in overrides}
+    )
+    model_config = ModelConfig(model=model, **{k: overrides.pop(k) for k in ("dtype", "load_format") if k in overrides})
+    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, **overrides)
+
+
+def run_to_completion(engine) -> dict[str, list[int]]:
+    """Steps the engine until it is idle; the output tokens of every request by id."""
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def tiny_en_engine():
+    from asrserve.engine.engine_core import EngineCore
+
+    return EngineCore(engine_config(dtype="float32"))

@@ -1,0 +1,131 @@
+"""Decoding to 16 kHz mono, bad input, chunking at quiet points, log-mel features."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from asrserve.audio.chunking import split_audio
+from asrserve.audio.decode import AudioError, load_audio
+from asrserve.audio.features import LogMelSpectrogram
+
+SR = 16000
+
+
+def tone(seconds: float, rate: int, freq: float = 440.0, channels: int = 1) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    wave = (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+    return np.stack([wave] * channels, axis=1) if channels > 1 else wave
+
+
+@pytest.mark.parametrize(("fmt", "subtype"), [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III")])
+def test_formats_libsndfile_reads(tmp_path, fmt, subtype):
+    path = tmp_path / f"clip.{fmt.lower()}"
+    rate = 48000 if subtype == "OPUS" else 22050
+    soundfile.write(path, tone(2.0, rate), rate, format=fmt, subtype=subtype)
+    audio = load_audio(path)
+    assert audio.dtype == np.float32 and audio.ndim == 1
+    assert abs(len(audio) / SR - 2.0) < 0.1
+    # The tone survives decoding and resampling: its spectrum peaks at 440 Hz.
+    spectrum = np.abs(np.fft.rfft(audio[:SR]))
+    assert abs(int(np.argmax(spectrum)) - 440) < 5  # a 1 s window: bin k is k Hz
+
+
+def test_stereo_is_mixed_and_resampled(tmp_path):
+    left = tone(1.0, 44100, 440)
+    right = tone(1.0, 44100, 1000)
+    path = tmp_path / "stereo.wav"
+    soundfile.write(path, np.stack([left, right], axis=1), 44100)
+    audio = load_audio(path.read_bytes())  # bytes work as well as paths
+    assert len(audio) == SR
+    spectrum = np.abs(np.fft.rfft(audio))
+    peaks = sorted(np.argsort(spectrum)[-2:])
+    assert peaks == [440, 1000]
+
+
+def test_arrays_are_taken_at_their_rate():
+    assert len(load_audio(tone(1.0, 8000), sample_rate=8000)) == SR
+    pcm = (tone(0.5, SR) * 32767).astype(np.int16)
+    assert np.abs(load_audio(pcm)).max() == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (b"", "empty"),
+        (b"definitely not audio" * 10, "could not decode"),
+        (np.zeros(0, np.float32), "empty"),
+        (np.array([0.0, np.nan], np.float32), "NaN"),
+        (np.zeros((2, 2, 2), np.float32), "shape"),
+        ("/nonexistent/file.wav", "not found"),
+    ],
+)
+def test_bad_audio_gives_clear_errors(source, message):
+    with pytest.raises(AudioError, match=message):
+        load_audio(source)
+
+
+def test_wav_with_zero_samples(tmp_path):
+    path = tmp_path / "empty.wav"
+    soundfile.write(path, np.zeros(0, np.float32), SR)
+    with pytest.raises(AudioError, match="empty"):
+        load_audio(path)
+
+
+def test_containers_libsndfile_refuses_are_reported(tmp_path):
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("ffmpeg is not installed")
+    wav = tmp_path / "a.wav"
+    soundfile.write(wav, tone(1.0, SR), SR)
+    m4a = tmp_path / "a.m4a"
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(wav), str(m4a)], check=True)
+    with pytest.raises(AudioError, match="could not decode"):
+        load_audio(m4a)
+
+
+def test_long_audio_is_cut_in_the_quietest_window():
+    rng = np.random.default_rng(0)
+    audio = (0.3 * rng.standard_normal(SR * 75)).astype(np.float32)
+    pauses = [(29.4, 29.7), (58.2, 58.6)]  # inside the last second of each 30 s span
+    for start, end in pauses:
+        audio[int(start * SR):int(end * SR)] *= 0.001
+    pieces = split_audio(audio)
+    assert len(pieces) == 3
+    assert all(len(p.samples) <= 30 * SR for p in pieces)
+    assert np.array_equal(np.concatenate([p.samples for p in pieces]), audio)
+    first_cut = pieces[1].offset / SR
+    second_cut = pieces[2].offset / SR
+    assert pauses[0][0] <= first_cut <= pauses[0][1]
+    assert pauses[1][0] <= second_cut <= pauses[1][1]
+    assert second_cut - first_cut <= 30
+
+
+def test_short_audio_is_one_piece():
+    audio = np.ones(SR * 30, np.float32)
+    assert [(p.offset, len(p.samples)) for p in split_audio(audio)] == [(0, SR * 30)]
+
+
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_log_mel_matches_transformers(n_mels):
+    from transformers import WhisperFeatureExtractor
+
+    rng = np.random.default_rng(1)
+    audios = [
+        (0.1 * rng.standard_normal(n)).astype(np.float32) for n in (SR * 3, SR * 30, 1234, SR * 17)
+    ] + [tone(5.0, SR)]
+    extractor = WhisperFeatureExtractor(feature_size=n_mels)
+    ours = LogMelSpectrogram(n_mels, torch.device("cpu"))(audios).numpy()
+    assert ours.shape == (len(audios), n_mels, 3000) and ours.dtype == np.float32
+    batched = extractor(audios, sampling_rate=SR, return_tensors="np").input_features
+    assert np.abs(ours - batched).max() < 1e-4
+    # The numpy path (no torch) computes in float64: the same within 1e-4.
+    for audio, mel in zip(audios, ours):
+        padded = np.zeros(30 * SR, np.float32)
+        padded[: len(audio)] = audio
+        reference = extractor._np_extract_fbank_features(padded[None], "cpu")[0]
+        assert np.abs(mel - reference).max() < 1e-4

@@ -1,0 +1,204 @@
+"""Engine invariants on the bundled tiny.en: batch invariance, preemption, encoder batching,
+no leaks, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from asrserve.engine.engine_core import EngineCore
+from asrserve.engine.request import SamplingParams
+from asrserve.errors import InvalidRequestError
+from tests.conftest import engine_config, run_to_completion
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def alone_tokens(tiny_en_engine, speech_audio) -> list[list[int]]:
+    """Each clip transcribed with nothing else in the engine."""
+    results = []
+    for i, audio in enumerate(speech_audio):
+        tiny_en_engine.add_request(f"alone-{i}", audio)
+        results.append(run_to_completion(tiny_en_engine)[f"alone-{i}"])
+    return results
+
+
+def _submit_all(engine, audios, prefix: str, **params) -> list[str]:
+    ids = [f"{prefix}-{i}" for i in range(len(audios))]
+    for request_id, audio in zip(ids, audios):
+        engine.add_request(request_id, audio, sampling_params=SamplingParams(**params))
+    return ids
+
+
+def assert_idle_and_clean(engine: EngineCore) -> None:
+    """Every block back in the pool, nothing in the encoder cache, on both sides."""
+    assert not engine.has_work()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.encoder_cache.num_cached == 0
+    assert engine.encoder_cache.num_pending_frees == 0
+    assert engine.runner.encoder_outputs == {}
+    assert engine.scheduler.requests == {}
+
+
+def test_tokens_do_not_depend_on_the_batch(tiny_en_engine, speech_audio, alone_tokens):
+    assert len({len(a) for a in speech_audio}) == len(speech_audio), "clips of different lengths"
+    ids = _submit_all(tiny_en_engine, speech_audio, "together")
+    together = run_to_completion(tiny_en_engine)
+    assert [together[i] for i in ids] == alone_tokens
+    assert_idle_and_clean(tiny_en_engine)
+
+
+def test_tokens_survive_preemption(speech_audio, alone_tokens):
+    # Blocks of 4 tokens: cross-attention takes 375, so a pool of 3 * 375 + 4 admits three
+    # requests and has to preempt as soon as they grow.
+    engine = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=3 * 375 + 4))
+    ids = _submit_all(engine, speech_audio, "tight")
+    tokens = run_to_completion(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert [tokens[i] for i in ids] == alone_tokens
+    assert_idle_and_clean(engine)
+
+
+def test_one_encoder_forward_serves_waiting_audios(speech_audio):
+    engine = EngineCore(engine_config(dtype="float32", max_encoder_batch=8))
+    _submit_all(engine, speech_audio[:8], "batch")
+    engine.step()
+    assert dict(engine.runner.encoder_batch_sizes) == {8: 1}
+    assert len(engine.scheduler.running) == 8
+    run_to_completion(engine)
+    assert dict(engine.runner.encoder_batch_sizes) == {8: 1}, "the encoder ran once per audio"
+    assert_idle_and_clean(engine)
+
+
+def test_encoder_budget_caps_each_forward(speech_audio):
+    engine = EngineCore(engine_config(dtype="float32", max_encoder_batch=3))
+    _submit_all(engine, speech_audio[:7], "budget")
+    run_to_completion(engine)
+    assert max(engine.runner.encoder_batch_sizes) <= 3
+    assert sum(n * c for n, c in engine.runner.encoder_batch_sizes.items()) == 7
+    assert_idle_and_clean(engine)
+
+
+def test_fifty_requests_with_aborts_and_preemptions_leave_nothing_behind(speech_audio):
+    engine = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=4 * 375 + 8, max_encoder_batch=4))
+    rng = random.Random(0)
+    audios = [speech_audio[i % len(speech_audio)] for i in range(50)]
+    ids = _submit_all(engine, audios, "churn", temperature=0.0)
+    aborted_waiting = ids[45:]  # never started
+    for request_id in aborted_waiting:
+        assert engine.abort(request_id).finished
+    to_abort_running = set(rng.sample(ids[:45], 10))
+    finished: set[str] = set()
+    steps = 0
+    while engine.has_work():
+        for output in engine.step():
+            if output.finished:
+                finished.add(output.request_id)
+        steps += 1
+        # Abort some requests while they run (after their encoder forward, mid-decode).
+        for request_id in list(to_abort_running):
+            request = engine.scheduler.requests.get(request_id)
+            if request is not None and request.output_token_ids:
+                assert engine.abort(request_id).finish_reason == "abort"
+                to_abort_running.discard(request_id)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.abort("churn-0") is None, "aborting a finished request does nothing"
+    assert len(finished) + len(aborted_waiting) + (10 - len(to_abort_running)) == 50
+    assert_idle_and_clean(engine)
+
+
+def test_sampling_is_seeded_per_request(tiny_en_engine, speech_audio):
+    audios = speech_audio[4:8]
+    ids = _submit_all(tiny_en_engine, audios, "seeded", temperature=1.0, seed=1234)
+    first = run_to_completion(tiny_en_engine)
+    # Same seed alone and in a different batch order: the same samples.
+    for i in reversed(range(len(audios))):
+        tiny_en_engine.add_request(f"again-{i}", audios[i], sampling_params=SamplingParams(temperature=1.0, seed=1234))
+    second = run_to_completion(tiny_en_engine)
+    assert [first[i] for i in ids] == [second[f"again-{i}"] for i in range(len(audios))]
+    greedy = _submit_all(tiny_en_engine, audios, "greedy-cmp")
+    greedy_tokens = run_to_completion(tiny_en_engine)
+    assert [first[i] for i in ids] != [greedy_tokens[i] for i in greedy], "temperature 1 should sample"
+
+
+def test_max_tokens_stops_with_length(tiny_en_engine, speech_audio):
+    tiny_en_engine.add_request("short", speech_audio[6], sampling_params=SamplingParams(max_tokens=3))
+    reasons = {}
+    tokens = []
+    while tiny_en_engine.has_work():
+        for output in tiny_en_engine.step():
+            tokens += output.new_token_ids
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+    assert len(tokens) == 3 and reasons == {"short": "length"}
+
+
+def test_per_token_logprobs_are_kept(tiny_en_engine, speech_audio):
+    tiny_en_engine.add_request("lp", speech_audio[1])
+    logprobs = []
+    while tiny_en_engine.has_work():
+        for output in tiny_en_engine.step():
+            logprobs += output.new_logprobs
+    assert logprobs and all(lp <= 0.0 for lp in logprobs)
+    assert np.mean(logprobs) > -1.0, "a clear sentence decodes with confidence"
+
+
+@pytest.mark.parametrize(
+    ("audio", "message"),
+    [
+        (np.zeros(0, dtype=np.float32), "empty"),
+        (np.array([0.1, np.nan, 0.2] * 1000, dtype=np.float32), "NaN"),
+        (np.full(16000, np.inf, dtype=np.float32), "NaN or infinite"),
+        (np.zeros(16000 * 31, dtype=np.float32), "at most 30 s"),
+        (np.zeros((16000, 2), dtype=np.float32), "1-D"),
+        (np.zeros(16000, dtype=np.float64), "float32"),
+    ],
+)
+def test_bad_audio_is_refused_without_disturbing_others(tiny_en_engine, speech_audio, alone_tokens, audio, message):
+    tiny_en_engine.add_request("good-a", speech_audio[1])
+    first = tiny_en_engine.step()  # the good request is already running
+    with pytest.raises(InvalidRequestError, match=message):
+        tiny_en_engine.add_request("bad", audio)
+    tiny_en_engine.add_request("good-b", speech_audio[2])
+    tokens = run_to_completion(tiny_en_engine)
+    tokens["good-a"] = first[0].new_token_ids + tokens["good-a"]
+    assert "bad" not in tokens
+    assert tokens["good-a"] == alone_tokens[1] and tokens["good-b"] == alone_tokens[2]
+    assert_idle_and_clean(tiny_en_engine)
+
+
+def test_language_and_task_checks(tiny_en_engine, speech_audio):
+    with pytest.raises(InvalidRequestError, match="English-only"):
+        tiny_en_engine.add_request("x", speech_audio[0], language="de")
+    with pytest.raises(InvalidRequestError, match="cannot translate"):
+        tiny_en_engine.add_request("x", speech_audio[0], task="translate")
+    with pytest.raises(InvalidRequestError, match="unsupported language"):
+        tiny_en_engine.add_request("x", speech_audio[0], language="klingon")
+    with pytest.raises(InvalidRequestError, match="task must be"):
+        tiny_en_engine.add_request("x", speech_audio[0], task="summarize")
+    tiny_en_engine.add_request("english", speech_audio[0], language="English")  # names work too
+    assert run_to_completion(tiny_en_engine)["english"]
+    tiny_en_engine.add_request("dup", speech_audio[0])
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        tiny_en_engine.add_request("dup", speech_audio[0])
+    run_to_completion(tiny_en_engine)
+    assert_idle_and_clean(tiny_en_engine)
+
+
+def test_pool_too_small_for_one_request_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one full-length request"):
+        EngineCore(engine_config(dtype="float32", num_kv_blocks=100))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_transcribes(speech_audio, dtype):
+    engine = EngineCore(engine_config(dtype=dtype))
+    assert engine.runner.kv_cache.dtype == engine.dtype
+    ids = _submit_all(engine, speech_audio[1:2] + speech_audio[5:6], dtype)
+    tokens = run_to_completion(engine)
+    texts = [engine.tokenizer.decode(tokens[i]).lower() for i in ids]
+    assert "lazy" in texts[0] and "plastic snake" in texts[1]
+    assert_idle_and_clean(engine)

