@@ -3,8 +3,9 @@ faster-whisper, same machine, same tiny.en weights, same clips, greedy decoding.
 
     python benchmarks/offline_throughput.py [--clips 32] [--save-result out.json]
 
-The clips are Harvard sentences spoken by espeak-ng (about 3 s each). RTFx = seconds of audio
-/ wall-clock seconds for the whole set, after one warm-up pass of each system. WER is against
+The clips are Harvard sentences spoken by espeak-ng (about 2.4 s each). Each system runs in its
+own process; RTFx = seconds of audio / wall-clock seconds for the whole set (the median of
+--repeats passes, after a warm-up). WER is against
 the sentences that were spoken (lower-cased, punctuation dropped).
 """
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asrserve import ASR  # noqa: E402
 from asrserve.audio.decode import load_audio  # noqa: E402
 from asrserve.config import ModelConfig  # noqa: E402
-from asrserve.model.loader import load_model  # noqa: E402
-from asrserve.model.loader import _bundled  # noqa: E402
+from asrserve.model.loader import (
+    _bundled,  # noqa: E402
+    load_model,  # noqa: E402
+)
 from tests.wer import corpus_wer  # noqa: E402
 
 # Harvard sentences, lists 1-4 (public domain).
@@ -64,11 +68,15 @@ def make_clips(count: int, directory: Path) -> tuple[list[np.ndarray], list[str]
     return audios, texts
 
 
-def timed(run, audios) -> tuple[float, list[str]]:
-    run(audios[: min(4, len(audios))])  # warm-up
-    start = time.perf_counter()
-    texts = run(audios)
-    return time.perf_counter() - start, texts
+def timed(run, audios, repeats: int) -> tuple[float, list[str]]:
+    """Median wall time of `repeats` passes over all clips, after a warm-up on a few."""
+    run(audios[: min(4, len(audios))])
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        texts = run(audios)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls), texts
 
 
 def bench_asrserve(dtype: str):
@@ -89,7 +97,8 @@ def bench_transformers(batch_size: int):
     def run(audios):
         texts = []
         for start in range(0, len(audios), batch_size):
-            features = extractor(audios[start:start + batch_size], sampling_rate=16000, return_tensors="pt").input_features
+            batch = audios[start:start + batch_size]
+            features = extractor(batch, sampling_rate=16000, return_tensors="pt").input_features
             with torch.inference_mode():
                 out = model.generate(features, generation_config=generation, return_timestamps=False)
             texts += [tokenizer.decode(row.tolist()) for row in out]
@@ -121,37 +130,58 @@ def bench_faster_whisper(compute_type: str, batched: bool):
     return run
 
 
+FACTORIES = {
+    "asrserve-fp32": lambda: bench_asrserve("float32"),
+    "asrserve-bf16": lambda: bench_asrserve("bfloat16"),
+    "transformers-b8": lambda: bench_transformers(8),
+    "faster-whisper-fp32": lambda: bench_faster_whisper("float32", batched=False),
+    "faster-whisper-int8": lambda: bench_faster_whisper("int8", batched=False),
+    "faster-whisper-batched-int8": lambda: bench_faster_whisper("int8", batched=True),
+}
+
+
+def measure(name: str, clips_dir: Path, references: list[str], repeats: int) -> dict:
+    audios = [load_audio(path) for path in sorted(clips_dir.glob("clip*.wav"))]
+    run = FACTORIES[name]()
+    wall, texts = timed(run, audios, repeats)
+    audio_seconds = sum(len(a) for a in audios) / 16000
+    return {"system": name, "wall_seconds": wall, "rtfx": audio_seconds / wall, "wer": corpus_wer(references, texts)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clips", type=int, default=32)
-    parser.add_argument("--systems", default="asrserve-fp32,asrserve-bf16,transformers-b8,faster-whisper-fp32,faster-whisper-int8")
+    parser.add_argument("--systems", default=",".join(FACTORIES))
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per system; the median is reported")
     parser.add_argument("--save-result", type=Path, default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--clips-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.worker:  # one system, in its own process: no allocator or thread settings leak between systems
+        references = [SENTENCES[i % len(SENTENCES)] for i in range(args.clips)]
+        print(json.dumps(measure(args.worker, args.clips_dir, references, args.repeats)))
+        return
+
     with tempfile.TemporaryDirectory() as tmp:
-        audios, references = make_clips(args.clips, Path(tmp))
-    audio_seconds = sum(len(a) for a in audios) / 16000
-    factories = {
-        "asrserve-fp32": lambda: bench_asrserve("float32"),
-        "asrserve-bf16": lambda: bench_asrserve("bfloat16"),
-        "transformers-b8": lambda: bench_transformers(8),
-        "faster-whisper-fp32": lambda: bench_faster_whisper("float32", batched=False),
-        "faster-whisper-int8": lambda: bench_faster_whisper("int8", batched=False),
-        "faster-whisper-batched-int8": lambda: bench_faster_whisper("int8", batched=True),
-    }
-    results = []
-    print(f"{args.clips} clips, {audio_seconds:.1f} s of audio, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print(f"{'system':<30}{'wall s':>9}{'RTFx':>9}{'WER %':>8}")
-    for name in args.systems.split(","):
-        run = factories[name]()
-        wall, texts = timed(run, audios)
-        result = {"system": name, "wall_seconds": wall, "rtfx": audio_seconds / wall,
-                  "wer": corpus_wer(references, texts)}
-        results.append(result)
-        print(f"{name:<30}{wall:>9.2f}{result['rtfx']:>9.1f}{100 * result['wer']:>8.1f}", flush=True)
+        audios, _ = make_clips(args.clips, Path(tmp))
+        audio_seconds = sum(len(a) for a in audios) / 16000
+        print(f"{args.clips} clips, {audio_seconds:.1f} s of audio, {os.cpu_count()} CPUs, torch {torch.__version__}")
+        print(f"{'system':<30}{'wall s':>9}{'RTFx':>9}{'WER %':>8}")
+        results = []
+        for name in args.systems.split(","):
+            worker = subprocess.run(
+                [sys.executable, __file__, "--worker", name, "--clips", str(args.clips), "--clips-dir", tmp,
+                 "--repeats", str(args.repeats)],
+                capture_output=True, text=True, check=True,
+            )
+            result = json.loads(worker.stdout.strip().splitlines()[-1])
+            results.append(result)
+            wall, rtfx, wer = result["wall_seconds"], result["rtfx"], 100 * result["wer"]
+            print(f"{name:<30}{wall:>9.2f}{rtfx:>9.1f}{wer:>8.1f}", flush=True)
     if args.save_result:
         args.save_result.write_text(json.dumps({
-            "clips": args.clips, "audio_seconds": audio_seconds, "cpus": os.cpu_count(),
+            "clips": args.clips, "audio_seconds": audio_seconds, "cpus": os.cpu_count(), "repeats": args.repeats,
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "results": results,
         }, indent=2))
 

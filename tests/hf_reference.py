@@ -7,14 +7,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    WhisperConfig,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+)
 
 from asrserve.model import ctranslate2
 from asrserve.model.loader import _add_language_token, _bundled
 from asrserve.model.tokenizer import SpecialTokens
 
 
-def generation_config(vocab_size: int, suppress_tokens: list[int], begin_suppress_tokens: list[int]) -> GenerationConfig:
+def generation_config(vocab_size: int, suppress_tokens: list[int], begin_suppress_tokens: list[int]):
     special = SpecialTokens.for_vocab(vocab_size)
     multilingual = vocab_size >= 51865
     languages = {}
@@ -67,7 +72,7 @@ def bundled_hf_model(short_name: str) -> tuple[WhisperForConditionalGeneration, 
     return model.eval(), generation_config(vocab_size, config["suppress_ids"], config["suppress_ids_begin"])
 
 
-def save_random_checkpoint(path: Path, vocab_size: int, n_mels: int = 80, seed: int = 0) -> WhisperForConditionalGeneration:
+def save_random_checkpoint(path: Path, vocab_size: int, n_mels: int = 80, seed: int = 0):
     """A small random Whisper in Hugging Face's layout (config, safetensors, tokenizer,
     generation config). init_std 0.3 makes the output depend on the audio."""
     torch.manual_seed(seed)

@@ -23,7 +23,10 @@ def tone(seconds: float, rate: int, freq: float = 440.0, channels: int = 1) -> n
     return np.stack([wave] * channels, axis=1) if channels > 1 else wave
 
 
-@pytest.mark.parametrize(("fmt", "subtype"), [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III")])
+@pytest.mark.parametrize(
+    ("fmt", "subtype"),
+    [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III")],
+)
 def test_formats_libsndfile_reads(tmp_path, fmt, subtype):
     path = tmp_path / f"clip.{fmt.lower()}"
     rate = 48000 if subtype == "OPUS" else 22050

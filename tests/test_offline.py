@@ -61,7 +61,8 @@ def test_transcribe_files_bytes_and_arrays(asr, speech_files):
     assert len(by_path) == 1 and by_path[0].source == str(speech_files[1])
     assert "brown fox" in by_path[0].text.lower()
     assert by_path[0].text == by_bytes[0].text == by_array[0].text
-    assert by_path[0].language == "en" and by_path[0].duration == pytest.approx(len(load_audio(speech_files[1])) / 16000)
+    assert by_path[0].language == "en"
+    assert by_path[0].duration == pytest.approx(len(load_audio(speech_files[1])) / 16000)
     assert by_path[0].token_ids[-1] == asr.tokenizer.special.eot
     assert -1.0 < by_path[0].avg_logprob < 0
 

@@ -8,7 +8,13 @@ import pytest
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from tests.conftest import SENTENCES, SHARED_AUDIO, engine_config, run_to_completion
-from tests.hf_reference import bundled_hf_model, hf_detect_language, hf_greedy, save_random_checkpoint, strip_eot
+from tests.hf_reference import (
+    bundled_hf_model,
+    hf_detect_language,
+    hf_greedy,
+    save_random_checkpoint,
+    strip_eot,
+)
 from tests.wer import corpus_wer
 
 

@@ -6,7 +6,13 @@ import logging
 
 import numpy as np
 
-from asrserve.config import SAMPLE_RATE, EngineConfig, N_SAMPLES, resolve_device, resolve_dtype
+from asrserve.config import (
+    N_SAMPLES,
+    SAMPLE_RATE,
+    EngineConfig,
+    resolve_device,
+    resolve_dtype,
+)
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import Request, SamplingParams
@@ -57,6 +63,8 @@ class EngineCore:
         """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sampling_params = sampling_params or SamplingParams()
         self._check_audio(audio)
         language = self.check_language(language, task)
@@ -70,8 +78,6 @@ class EngineCore:
             request_id, audio, prompt, sampling_params, max_tokens, task=task, detect_language=detect_language
         )
         request.language = language if self.is_multilingual else "en"
-        if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.scheduler.add(request)
 
     def check_language(self, language: str | None, task: str) -> str | None:

@@ -7,9 +7,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from asrserve.audio.chunking import split_audio
 from asrserve.audio.decode import AudioError, AudioSource, load_audio
-from asrserve.config import SAMPLE_RATE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from asrserve.config import (
+    SAMPLE_RATE,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from asrserve.errors import InvalidRequestError
@@ -65,7 +73,9 @@ class ASR:
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, load_format=load_format),
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
+            cache=CacheConfig(
+                block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb
+            ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_encoder_batch=max_encoder_batch),
         )
         self.engine = EngineCore(config)
@@ -204,8 +214,6 @@ class ASR:
 
 
 def _is_single(audio) -> bool:
-    import numpy as np
-
     return isinstance(audio, (str, Path, bytes, bytearray, np.ndarray)) or hasattr(audio, "read")
 
 

@@ -10,10 +10,28 @@ for faster kernels.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+class GatherBuffers:
+    """Output memory for gathered K/V, reused step after step. A fresh tensor of ~100 MB per
+    layer and step would be fresh pages for the OS to fault in and zero each time, which on
+    CPU costs more than the gather itself."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
 
 
 @dataclass
@@ -32,6 +50,7 @@ class AttentionMetadata:
     # token i of the flat batch sits at row padded_index[i] of [num_seqs * max_query_len];
     # None when every request has exactly one new token (pure decode)
     padded_index: torch.Tensor | None
+    gather_buffers: GatherBuffers
 
 
 def write_kv(
@@ -59,8 +78,13 @@ def paged_attention(
     """
     num_seqs, max_query_len = metadata.num_seqs, metadata.max_query_len
     num_heads, head_dim = query.shape[-2:]
-    keys = layer_cache[0][block_tables].flatten(1, 2)  # [num_seqs, blocks * block_size, heads, head_dim]
-    values = layer_cache[1][block_tables].flatten(1, 2)
+    block_ids = block_tables.flatten()
+    gathered_shape = (block_ids.numel(), *layer_cache.shape[2:])
+    buffers = metadata.gather_buffers
+    # [num_seqs, blocks * block_size, heads, head_dim]
+    keys = torch.index_select(layer_cache[0], 0, block_ids, out=buffers.get("k", gathered_shape, layer_cache))
+    values = torch.index_select(layer_cache[1], 0, block_ids, out=buffers.get("v", gathered_shape, layer_cache))
+    keys, values = keys.view(num_seqs, -1, num_heads, head_dim), values.view(num_seqs, -1, num_heads, head_dim)
     if key_len is not None:
         keys, values = keys[:, :key_len], values[:, :key_len]
 

@@ -120,10 +120,14 @@ def to_hf_state_dict(variables: dict[str, np.ndarray]) -> dict[str, torch.Tensor
         out[f"{dst}.k_proj.weight"] = k_w
         out[f"{dst}.v_proj.weight"], out[f"{dst}.v_proj.bias"] = v_w, v_b
 
-    def ffn(src: str, dst: str) -> None:
-        linear(f"{src}/linear_0", f"{dst}.fc1")
-        linear(f"{src}/linear_1", f"{dst}.fc2")
-        norm(f"{src}/layer_norm", f"{dst}.final_layer_norm")
+    def self_attention_and_ffn(src: str, dst: str) -> None:
+        """The parts encoder and decoder layers share."""
+        fused_qkv(f"{src}/self_attention/linear_0", f"{dst}.self_attn")
+        linear(f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj")
+        norm(f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm")
+        linear(f"{src}/ffn/linear_0", f"{dst}.fc1")
+        linear(f"{src}/ffn/linear_1", f"{dst}.fc2")
+        norm(f"{src}/ffn/layer_norm", f"{dst}.final_layer_norm")
 
     try:
         for conv in ("conv1", "conv2"):
@@ -132,20 +136,14 @@ def to_hf_state_dict(variables: dict[str, np.ndarray]) -> dict[str, torch.Tensor
         out["model.encoder.embed_positions.weight"] = variables["encoder/position_encodings/encodings"]
         norm("encoder/layer_norm", "model.encoder.layer_norm")
         for i in range(_count_layers(variables, "encoder")):
-            src, dst = f"encoder/layer_{i}", f"model.encoder.layers.{i}"
-            fused_qkv(f"{src}/self_attention/linear_0", f"{dst}.self_attn")
-            linear(f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj")
-            norm(f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm")
-            ffn(f"{src}/ffn", dst)
+            self_attention_and_ffn(f"encoder/layer_{i}", f"model.encoder.layers.{i}")
 
         out["model.decoder.embed_tokens.weight"] = variables["decoder/embeddings/weight"]
         out["model.decoder.embed_positions.weight"] = variables["decoder/position_encodings/encodings"]
         norm("decoder/layer_norm", "model.decoder.layer_norm")
         for i in range(_count_layers(variables, "decoder")):
             src, dst = f"decoder/layer_{i}", f"model.decoder.layers.{i}"
-            fused_qkv(f"{src}/self_attention/linear_0", f"{dst}.self_attn")
-            linear(f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj")
-            norm(f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm")
+            self_attention_and_ffn(src, dst)
             linear(f"{src}/attention/linear_0", f"{dst}.encoder_attn.q_proj")
             k_w, v_w = _split(_dequantize(variables, f"{src}/attention/linear_1/weight"), 2)
             _, v_b = _split(variables[f"{src}/attention/linear_1/bias"], 2)
@@ -153,7 +151,6 @@ def to_hf_state_dict(variables: dict[str, np.ndarray]) -> dict[str, torch.Tensor
             out[f"{dst}.encoder_attn.v_proj.weight"], out[f"{dst}.encoder_attn.v_proj.bias"] = v_w, v_b
             linear(f"{src}/attention/linear_2", f"{dst}.encoder_attn.out_proj")
             norm(f"{src}/attention/layer_norm", f"{dst}.encoder_attn_layer_norm")
-            ffn(f"{src}/ffn", dst)
     except KeyError as missing:
         raise CheckpointFormatError(f"model.bin lacks the Whisper variable {missing}") from None
     return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in out.items()}

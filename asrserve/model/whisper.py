@@ -216,7 +216,8 @@ class Whisper(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(
-                f"checkpoint does not match the Whisper architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                "checkpoint does not match the Whisper architecture: "
+                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
 
     def init_random_weights(self, seed: int = 0) -> None:

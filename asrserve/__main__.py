@@ -1,0 +1,5 @@
+import sys
+
+from asrserve.cli import main
+
+sys.exit(main())
