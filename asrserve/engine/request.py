@@ -90,9 +90,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids_from(self, start: int) -> list[int]:
+        """(prompt + outputs)[start:], without building the whole list: the decode step's hot path."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:]
+        return self.prompt_token_ids[start:] + self.output_token_ids
 
     @property
     def num_new_tokens(self) -> int:

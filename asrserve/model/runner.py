@@ -158,7 +158,7 @@ class ModelRunner:
         query_lens, context_lens = [], []
         for request in requests:
             start, end = request.num_computed_tokens, request.num_tokens
-            token_ids.extend(request.all_token_ids[start:end])
+            token_ids.extend(request.token_ids_from(start))
             positions.extend(range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)

@@ -27,7 +27,8 @@ class SuppressTokens:
     def __init__(self, token_ids: list[int], device: torch.device):
         self.token_ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=device)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        # Every row, every step: `rows` is not needed.
         if self.token_ids.numel():
             logits.index_fill_(1, self.token_ids, float("-inf"))
 
@@ -73,7 +74,7 @@ class Sampler:
         """logits [num_requests, vocab] float32, one row per request, in the same order."""
         language_rows = [i for i, r in enumerate(requests) if r.needs_language]
         first_rows = [i for i, r in enumerate(requests) if not r.needs_language and not r.output_token_ids]
-        self.suppress_tokens.apply(logits, self._rows(range(len(requests))))
+        self.suppress_tokens.apply(logits)
         self.suppress_blank.apply(logits, self._rows(first_rows))
         self.only_languages.apply(logits, self._rows(language_rows))
 
