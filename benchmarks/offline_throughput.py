@@ -22,19 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asrserve import ASR  # noqa: E402
-from asrserve.audio.decode import load_audio  # noqa: E402
-from asrserve.config import ModelConfig  # noqa: E402
-from asrserve.model.loader import (
-    _bundled,  # noqa: E402
-    load_model,  # noqa: E402
-)
-from tests.wer import corpus_wer  # noqa: E402
+from asrserve import ASR
+from asrserve.audio.decode import load_audio
+from asrserve.model.loader import _bundled
+from asrserve.model.tokenizer import WhisperTokenizer
+from tests.wer import corpus_wer
 
 # Harvard sentences, lists 1-4 (public domain).
 SENTENCES = [
@@ -57,15 +53,14 @@ SENTENCES = [
 ]
 
 
-def make_clips(count: int, directory: Path) -> tuple[list[np.ndarray], list[str]]:
-    audios, texts = [], []
-    for i in range(count):
-        text = SENTENCES[i % len(SENTENCES)]
+def spoken_texts(count: int) -> list[str]:
+    return [SENTENCES[i % len(SENTENCES)] for i in range(count)]
+
+
+def make_clips(count: int, directory: Path) -> None:
+    for i, text in enumerate(spoken_texts(count)):
         path = directory / f"clip{i:02d}.wav"
         subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(path), text], check=True, capture_output=True)
-        audios.append(load_audio(path))
-        texts.append(text)
-    return audios, texts
 
 
 def timed(run, audios, repeats: int) -> tuple[float, list[str]]:
@@ -92,7 +87,7 @@ def bench_transformers(batch_size: int):
     model, generation = bundled_hf_model("tiny.en")
     extractor = WhisperFeatureExtractor()
     # Decode with the same tokenizer as asrserve.
-    tokenizer = load_model(ModelConfig(), torch.device("cpu"), torch.float32).tokenizer
+    tokenizer = WhisperTokenizer.from_dir(_bundled("tiny.en").directories[0], model.config.vocab_size)
 
     def run(audios):
         texts = []
@@ -140,12 +135,15 @@ FACTORIES = {
 }
 
 
-def measure(name: str, clips_dir: Path, references: list[str], repeats: int) -> dict:
+def measure(name: str, clips_dir: Path, repeats: int) -> dict:
     audios = [load_audio(path) for path in sorted(clips_dir.glob("clip*.wav"))]
     run = FACTORIES[name]()
     wall, texts = timed(run, audios, repeats)
     audio_seconds = sum(len(a) for a in audios) / 16000
-    return {"system": name, "wall_seconds": wall, "rtfx": audio_seconds / wall, "wer": corpus_wer(references, texts)}
+    return {
+        "system": name, "audio_seconds": audio_seconds, "wall_seconds": wall, "rtfx": audio_seconds / wall,
+        "wer": corpus_wer(spoken_texts(len(audios)), texts),
+    }
 
 
 def main() -> None:
@@ -159,15 +157,13 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:  # one system, in its own process: no allocator or thread settings leak between systems
-        references = [SENTENCES[i % len(SENTENCES)] for i in range(args.clips)]
-        print(json.dumps(measure(args.worker, args.clips_dir, references, args.repeats)))
+        print(json.dumps(measure(args.worker, args.clips_dir, args.repeats)))
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        audios, _ = make_clips(args.clips, Path(tmp))
-        audio_seconds = sum(len(a) for a in audios) / 16000
-        print(f"{args.clips} clips, {audio_seconds:.1f} s of audio, {os.cpu_count()} CPUs, torch {torch.__version__}")
-        print(f"{'system':<30}{'wall s':>9}{'RTFx':>9}{'WER %':>8}")
+        make_clips(args.clips, Path(tmp))
+        print(f"{args.clips} clips, {os.cpu_count()} CPUs, torch {torch.__version__}")
+        print(f"{'system':<30}{'audio s':>9}{'wall s':>9}{'RTFx':>9}{'WER %':>8}")
         results = []
         for name in args.systems.split(","):
             worker = subprocess.run(
@@ -177,11 +173,12 @@ def main() -> None:
             )
             result = json.loads(worker.stdout.strip().splitlines()[-1])
             results.append(result)
-            wall, rtfx, wer = result["wall_seconds"], result["rtfx"], 100 * result["wer"]
-            print(f"{name:<30}{wall:>9.2f}{rtfx:>9.1f}{wer:>8.1f}", flush=True)
+            audio, wall, rtfx = result["audio_seconds"], result["wall_seconds"], result["rtfx"]
+            wer = 100 * result["wer"]
+            print(f"{name:<30}{audio:>9.1f}{wall:>9.2f}{rtfx:>9.1f}{wer:>8.1f}", flush=True)
     if args.save_result:
         args.save_result.write_text(json.dumps({
-            "clips": args.clips, "audio_seconds": audio_seconds, "cpus": os.cpu_count(), "repeats": args.repeats,
+            "clips": args.clips, "cpus": os.cpu_count(), "repeats": args.repeats,
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "results": results,
         }, indent=2))
 

@@ -27,8 +27,8 @@ class SuppressTokens:
     def __init__(self, token_ids: list[int], device: torch.device):
         self.token_ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=device)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        # Every row, every step: `rows` is not needed.
+    def apply(self, logits: torch.Tensor) -> None:
+        # Every row, every step.
         if self.token_ids.numel():
             logits.index_fill_(1, self.token_ids, float("-inf"))
 
