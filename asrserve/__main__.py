@@ -2,4 +2,6 @@ import sys
 
 from asrserve.cli import main
 
-sys.exit(main())
+# Guarded: the engine process (multiprocessing "spawn") imports this module again.
+if __name__ == "__main__":
+    sys.exit(main())

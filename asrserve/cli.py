@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from asrserve import __version__
 
+MODEL_HELP = (
+    "hub id (openai/whisper-large-v3-turbo), local HF or CTranslate2 directory, or short "
+    "name (tiny.en, base, ..., large-v3-turbo); default: the bundled tiny.en"
+)
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+
+def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
     group = parser.add_argument_group("model and engine")
-    group.add_argument(
-        "--model", "-m", default=None,
-        help="hub id (openai/whisper-large-v3-turbo), local HF or CTranslate2 directory, or short "
-        "name (tiny.en, base, ..., large-v3-turbo); default: the bundled tiny.en",
-    )
+    if model_flag:
+        group.add_argument("--model", "-m", default=None, help=MODEL_HELP)
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights with the model's real architecture (benchmarks)")
     group.add_argument("--dtype", default="auto",
@@ -52,7 +55,60 @@ def build_parser() -> argparse.ArgumentParser:
     progress.add_argument("--no-progress", dest="progress", action="store_false")
     transcribe.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
     _add_engine_args(transcribe)
+
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI audio API over HTTP",
+        description="Serve a Whisper model behind OpenAI's /v1/audio/transcriptions and /v1/audio/translations. "
+        "Every option can also be set with the environment variable shown next to it.",
+    )
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+    http = serve.add_argument_group("HTTP server")
+    http.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="names clients may send as `model` (default: MODEL as given); add whisper-1 "
+                      "for clients that hard-code it")
+    http.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                      help="accept only these bearer keys on /v1/* (/health, /metrics and /version stay open)")
+    http.add_argument("--preprocess-workers", type=int, default=None,
+                      help="threads that decode, resample and split uploads (default: min(CPUs, 2))")
+    http.add_argument("--max-audio-filesize-mb", type=float, default=25.0,
+                      help="largest upload; larger ones get 413 while still uploading")
+    http.add_argument("--max-audio-duration-s", type=float, default=600.0, help="longest audio accepted")
+    http.add_argument("--max-waiting-requests", type=int, default=128,
+                      help="requests accepted but not yet producing text; past this, 429 with Retry-After")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_engine_args(serve, model_flag=False)
+    _defaults_from_environment(serve)
     return parser
+
+
+ENV_PREFIX = "ASRSERVE_"
+
+
+def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
+    """Each option of `parser` also reads ASRSERVE_<OPTION> (lists: comma-separated); a flag on
+    the command line still wins. --help shows the variable's name."""
+    for action in parser._actions:
+        if action.dest in ("help", argparse.SUPPRESS):
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        action.help = f"{action.help or ''} [env: {name}]".strip()
+        value = os.environ.get(name)
+        if value is None or value == "":
+            continue
+        if action.nargs in ("+", "*"):
+            items = [item.strip() for item in value.split(",") if item.strip()]
+            action.default = [action.type(item) if action.type else item for item in items]
+        else:
+            try:
+                action.default = action.type(value) if action.type else value
+            except ValueError:
+                parser.error(f"{name}={value!r} is not a valid {action.dest}")
+            if action.choices is not None and action.default not in action.choices:
+                parser.error(f"{name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
+        if not action.option_strings:
+            action.nargs = "?"  # the positional may now come from the environment
 
 
 def _transcribe(args: argparse.Namespace) -> int:
@@ -104,14 +160,41 @@ def _print_result(file: str, result, response_format: str) -> int:
     return int(result.error is not None)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from asrserve.entrypoints.api_server import run_server
+
+    try:
+        server_config = ServerConfig(
+            host=args.host, port=args.port, served_model_names=args.served_model_name, api_keys=args.api_key or [],
+            preprocess_workers=args.preprocess_workers, max_audio_filesize_mb=args.max_audio_filesize_mb,
+            max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
+            log_level=args.log_level,
+        )
+        engine_config = EngineConfig(
+            model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format),
+            cache=CacheConfig(
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch),
+        )
+    except ValueError as error:
+        print(f"asrserve: error: {error}", file=sys.stderr)
+        return 2
+    return run_server(server_config, engine_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if args.command == "serve":
+        level = logging.getLevelName(args.log_level.upper())
+    else:
+        level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "transcribe":
         return _transcribe(args)
+    if args.command == "serve":
+        return _serve(args)
     raise AssertionError(args.command)
 
 

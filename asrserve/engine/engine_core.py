@@ -6,26 +6,17 @@ import logging
 
 import numpy as np
 
-from asrserve.config import (
-    N_SAMPLES,
-    SAMPLE_RATE,
-    EngineConfig,
-    resolve_device,
-    resolve_dtype,
-)
+from asrserve.config import EngineConfig, resolve_device, resolve_dtype
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import Request, SamplingParams
+from asrserve.engine.request_checks import check_audio_piece, check_language
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
-from asrserve.model.languages import LANGUAGES, normalize_language
 from asrserve.model.loader import load_model
 from asrserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-TASKS = ("transcribe", "translate")
-
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None):
@@ -34,6 +25,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         loaded = load_model(config.model, self.device, self.dtype)
         self.model_name = loaded.name
+        self.model_source = loaded.source
         self.tokenizer = loaded.tokenizer
         self.dims = loaded.model.dims
         self.runner = ModelRunner(loaded, config, self.device, self.dtype)
@@ -66,7 +58,7 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sampling_params = sampling_params or SamplingParams()
-        self._check_audio(audio)
+        check_audio_piece(audio)
         language = self.check_language(language, task)
         prompt = self.tokenizer.sot_sequence(language, task)
         detect_language = language is None and self.is_multilingual
@@ -81,39 +73,7 @@ class EngineCore:
         self.scheduler.add(request)
 
     def check_language(self, language: str | None, task: str) -> str | None:
-        """Normalises the language code and checks that the model can do the task in it."""
-        if task not in TASKS:
-            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-        if not self.is_multilingual and task == "translate":
-            raise InvalidRequestError(
-                f"{self.model_name} is an English-only model and cannot translate; use a multilingual model"
-            )
-        if language is None:
-            return None
-        code = normalize_language(language)
-        if code is None:
-            raise InvalidRequestError(f"unsupported language {language!r}; use an ISO-639-1 code such as 'en'")
-        if code not in self.tokenizer.languages:
-            if not self.is_multilingual:
-                raise InvalidRequestError(
-                    f"{self.model_name} is an English-only model; it cannot transcribe {LANGUAGES[code]} ({code})"
-                )
-            raise InvalidRequestError(f"{self.model_name} does not know the language {code!r}")
-        return code
-
-    @staticmethod
-    def _check_audio(audio: np.ndarray) -> None:
-        if not isinstance(audio, np.ndarray) or audio.ndim != 1 or audio.dtype != np.float32:
-            raise InvalidRequestError("audio must be a 1-D float32 array of 16 kHz samples")
-        if audio.size == 0:
-            raise InvalidRequestError("audio is empty: it has no samples")
-        if audio.size > N_SAMPLES:
-            raise InvalidRequestError(
-                f"audio is {audio.size / SAMPLE_RATE:.1f} s long; one engine request takes at most "
-                f"{N_SAMPLES // SAMPLE_RATE} s (split longer audio first)"
-            )
-        if not np.isfinite(audio).all():
-            raise InvalidRequestError("audio contains NaN or infinite samples")
+        return check_language(self.tokenizer, self.model_name, language, task)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

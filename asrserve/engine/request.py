@@ -25,6 +25,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
 
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request; crosses the process boundary."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    language: str | None = None  # set once known (given or detected)
+    error: str | None = None  # why the engine refused the request (finish_reason "error")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

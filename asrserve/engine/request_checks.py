@@ -1,0 +1,50 @@
+"""Checks on what a user asks for, shared by the engine core and the HTTP server (which runs
+them before any audio work, so a bad language costs nothing)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from asrserve.errors import InvalidRequestError
+from asrserve.model.languages import LANGUAGES, normalize_language
+from asrserve.model.tokenizer import WhisperTokenizer
+
+TASKS = ("transcribe", "translate")
+
+
+def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str | None, task: str) -> str | None:
+    """Normalises the language code and checks that the model can do the task in it."""
+    if task not in TASKS:
+        raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if not tokenizer.is_multilingual and task == "translate":
+        raise InvalidRequestError(
+            f"{model_name} is an English-only model and cannot translate; use a multilingual model"
+        )
+    if language is None:
+        return None
+    code = normalize_language(language)
+    if code is None:
+        raise InvalidRequestError(f"unsupported language {language!r}; use an ISO-639-1 code such as 'en'")
+    if code not in tokenizer.languages:
+        if not tokenizer.is_multilingual:
+            raise InvalidRequestError(
+                f"{model_name} is an English-only model; it cannot transcribe {LANGUAGES[code]} ({code})"
+            )
+        raise InvalidRequestError(f"{model_name} does not know the language {code!r}")
+    return code
+
+
+def check_audio_piece(audio: np.ndarray) -> None:
+    """One engine request's audio: 16 kHz mono float32, finite, at most 30 s."""
+    if not isinstance(audio, np.ndarray) or audio.ndim != 1 or audio.dtype != np.float32:
+        raise InvalidRequestError("audio must be a 1-D float32 array of 16 kHz samples")
+    if audio.size == 0:
+        raise InvalidRequestError("audio is empty: it has no samples")
+    if audio.size > N_SAMPLES:
+        raise InvalidRequestError(
+            f"audio is {audio.size / SAMPLE_RATE:.1f} s long; one engine request takes at most "
+            f"{N_SAMPLES // SAMPLE_RATE} s (split longer audio first)"
+        )
+    if not np.isfinite(audio).all():
+        raise InvalidRequestError("audio contains NaN or infinite samples")

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the server and, relayed with every engine step, of the engine."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from asrserve.engine.engine_process import EngineStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "asrserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=registry
+        )
+        self.request_latency = Histogram(
+            "asrserve_request_latency_seconds", "Time from request arrival to the last byte of the response",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "asrserve_time_to_first_token_seconds", "Time from request arrival to the first transcribed token",
+            ["endpoint"], buckets=TTFT_BUCKETS, registry=registry,
+        )
+        self.audio_seconds = Counter(
+            "asrserve_audio_seconds", "Seconds of audio transcribed or translated", ["endpoint"], registry=registry
+        )
+        self.output_tokens = Counter(
+            "asrserve_output_tokens", "Text tokens produced", ["endpoint"], registry=registry
+        )
+        self.engine_requests_aborted = Counter(
+            "asrserve_engine_requests_aborted",
+            "Engine requests (30 s pieces) stopped before finishing: the client left or hit its token limit",
+            registry=registry,
+        )
+        self.requests_waiting_http = Gauge(
+            "asrserve_http_requests_waiting",
+            "Transcription requests accepted and not yet producing text (bounded by --max-waiting-requests)",
+            registry=registry,
+        )
+        self.preprocess_queue_depth = Gauge(
+            "asrserve_preprocess_queue_depth", "Uploads waiting for a preprocessing thread", registry=registry
+        )
+        self.num_requests_waiting = Gauge(
+            "asrserve_num_requests_waiting", "Engine requests (30 s pieces) waiting to be scheduled", registry=registry
+        )
+        self.num_requests_running = Gauge(
+            "asrserve_num_requests_running", "Engine requests (30 s pieces) being decoded", registry=registry
+        )
+        self.kv_cache_blocks_used = Gauge(
+            "asrserve_kv_cache_blocks_used", "KV cache blocks held by requests", registry=registry
+        )
+        self.kv_cache_blocks_total = Gauge(
+            "asrserve_kv_cache_blocks_total", "KV cache blocks in the pool", registry=registry
+        )
+        self.encoder_cache_entries = Gauge(
+            "asrserve_encoder_cache_entries", "Encoder outputs held by the engine", registry=registry
+        )
+        self.preemptions = Gauge(
+            "asrserve_preemptions", "Requests preempted for lack of KV blocks since start", registry=registry
+        )
+        self.encoder_batch_size = Histogram(
+            "asrserve_encoder_batch_size", "Audios per encoder forward", buckets=BATCH_BUCKETS, registry=registry
+        )
+
+    def record_engine(self, stats: EngineStats) -> None:
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_running.set(stats.num_running)
+        self.kv_cache_blocks_used.set(stats.kv_blocks_used)
+        self.kv_cache_blocks_total.set(stats.kv_blocks_total)
+        self.encoder_cache_entries.set(stats.encoder_cache_entries)
+        self.preemptions.set(stats.num_preemptions)
+        for size, count in stats.encoder_batch_sizes.items():
+            for _ in range(count):
+                self.encoder_batch_size.observe(size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,90 @@
+"""The OpenAI audio API's request fields, responses and error shape."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+# Formats that need segment timestamps, which the engine does not produce yet.
+TIMESTAMPED_FORMATS = ("srt", "verbose_json", "vtt")
+
+
+class APIError(Exception):
+    """An error the client gets as {"error": {message, type, param, code}} with this status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class TranscriptionRequest(BaseModel):
+    """The form fields of /v1/audio/transcriptions and /v1/audio/translations (less the file)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
+    temperature: float = Field(0.0, ge=0.0, le=1.0)
+    stream: bool = False
+    timestamp_granularities: list[Literal["word", "segment"]] = Field(default_factory=list)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+
+    @classmethod
+    def from_form(cls, fields: dict[str, list[str]]) -> "TranscriptionRequest":
+        """Validates multipart fields; the first problem becomes a 400 naming its field."""
+        values: dict[str, Any] = {}
+        for name, items in fields.items():
+            key = name.removesuffix("[]")
+            items = [item for item in items if item != ""]  # an empty field means "not given"
+            if not items:
+                continue
+            if key == "timestamp_granularities":
+                values.setdefault(key, []).extend(items)
+            else:
+                values[key] = items[-1]
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    location = [str(part) for part in first["loc"] if part not in ("body", "query")]
+    param = location[0] if location else None
+    message = first["msg"]
+    if first["type"] == "literal_error" and param == "response_format":
+        message = f"response_format must be one of {', '.join(RESPONSE_FORMATS)}"
+    elif first["type"] == "literal_error" and param == "timestamp_granularities":
+        message = "timestamp_granularities[] must be 'word' or 'segment'"
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def usage_duration(seconds: float) -> dict[str, Any]:
+    return {"type": "duration", "seconds": round(seconds, 3)}

@@ -1,0 +1,123 @@
+"""Reads a multipart/form-data upload as it streams in, refusing it (413) the moment the file
+passes the size limit: an oversized upload is never held in memory, nor spooled to disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
+
+from asrserve.entrypoints.protocol import APIError
+
+MAX_FIELD_BYTES = 64 * 1024  # a prompt or language is tiny; anything bigger is not a form field
+MAX_FIELDS = 64
+FORM_OVERHEAD_BYTES = 256 * 1024  # the fields and part headers around the file
+
+
+@dataclass
+class UploadedForm:
+    fields: dict[str, list[str]] = field(default_factory=dict)
+    file: bytes | bytearray | None = None
+    filename: str | None = None
+
+
+class ClientGone(Exception):
+    """The client disconnected before the upload ended."""
+
+
+async def read_form(request: Request, max_file_bytes: int, file_field: str = "file") -> UploadedForm:
+    content_type, options = parse_options_header(request.headers.get("content-type"))
+    if content_type != b"multipart/form-data" or b"boundary" not in options:
+        raise APIError(400, "the request body must be multipart/form-data with a file field", param=file_field)
+    limit_mb = max_file_bytes / (1024 * 1024)
+    too_large = APIError(
+        413, f"the audio file is larger than the {limit_mb:g} MB limit", param=file_field, code="file_too_large"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_file_bytes + FORM_OVERHEAD_BYTES:
+        raise too_large  # refuse before reading a byte
+
+    form = UploadedForm()
+    part = _Part()
+    file_data = bytearray()
+
+    def on_part_begin() -> None:
+        part.reset()
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        part.header_name += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        part.header_value += data[start:end]
+
+    def on_header_end() -> None:
+        if part.header_name.lower() == b"content-disposition":
+            _, params = parse_options_header(bytes(part.header_value))
+            part.name = params.get(b"name", b"").decode("utf-8", "replace")
+            filename = params.get(b"filename")
+            part.filename = filename.decode("utf-8", "replace") if filename is not None else None
+        part.header_name, part.header_value = bytearray(), bytearray()
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if part.name == file_field and part.filename is not None:
+            if len(file_data) + (end - start) > max_file_bytes:
+                raise too_large
+            file_data.extend(data[start:end])
+            return
+        part.data += data[start:end]
+        if len(part.data) > MAX_FIELD_BYTES:
+            raise APIError(400, f"form field {part.name!r} is longer than {MAX_FIELD_BYTES} bytes", param=part.name)
+
+    def on_part_end() -> None:
+        if part.name == file_field and part.filename is not None:
+            if form.filename is not None:
+                raise APIError(400, "send one audio file per request", param=file_field)
+            form.filename = part.filename or "audio"
+            return
+        if part.filename is not None:
+            return  # some other file: ignored, but its bytes still counted against the limit below
+        if len(form.fields) >= MAX_FIELDS and part.name not in form.fields:
+            raise APIError(400, f"the form has more than {MAX_FIELDS} fields")
+        form.fields.setdefault(part.name, []).append(part.data.decode("utf-8", "replace"))
+
+    parser = MultipartParser(
+        options[b"boundary"],
+        {
+            "on_part_begin": on_part_begin,
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
+    received = 0
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > max_file_bytes + FORM_OVERHEAD_BYTES:
+                raise too_large
+            parser.write(chunk)
+        parser.finalize()
+    except MultipartParseError as error:
+        raise APIError(400, f"malformed multipart/form-data body: {error}") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    if form.filename is None:
+        raise APIError(400, f"the form has no {file_field!r} file: attach the audio as {file_field}", param=file_field)
+    form.file = file_data  # no copy: the decoder reads a bytearray as it is
+    return form
+
+
+class _Part:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.name = ""
+        self.filename: str | None = None
+        self.header_name = bytearray()
+        self.header_value = bytearray()
+        self.data = bytearray()

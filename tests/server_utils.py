@@ -1,0 +1,83 @@
+"""Starts `asrserve serve` as a real subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="asrserve-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "asrserve", "serve", *args]
+        if "--port" not in args and not (env and "ASRSERVE_PORT" in env):
+            command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        self.health_statuses: list[int] = []  # every /health status seen while starting
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
+            try:
+                status = httpx.get(f"{self.url}/health", timeout=5).status_code
+                self.health_statuses.append(status)
+                if status == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.logs()}")
+
+    def engine_pid(self) -> int:
+        """The engine process: the server's child running multiprocessing's spawn entry point."""
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
+                    return int(child)
+        raise RuntimeError("no engine process found")
+
+    def logs(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with labels) -> value, from /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)

@@ -1,0 +1,470 @@
+"""The OpenAI-compatible server end to end: a real `asrserve serve` subprocess, the official
+openai SDK (sync, async, streaming) and raw httpx for everything the SDK hides."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import io
+import json
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+
+from asrserve.audio.chunking import split_audio
+from asrserve.audio.decode import load_audio
+from asrserve.config import SAMPLE_RATE
+from tests.conftest import SENTENCES
+from tests.server_utils import ServerProcess
+
+API_KEYS = ["sk-test-one", "sk-test-two"]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess(
+        ["--api-key", *API_KEYS, "--served-model-name", "tiny.en", "whisper-1", "--max-audio-duration-s", "200"]
+    )
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEYS[1], max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from asrserve.entrypoints.offline import ASR
+
+    return ASR(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(offline, speech_files) -> list[str]:
+    """What offline transcription makes of each clip: the server must say the same."""
+    return [result.text for result in offline.transcribe(speech_files)]
+
+
+@pytest.fixture(scope="module")
+def containers(speech_files, tmp_path_factory) -> dict[str, object]:
+    """Clip 1 as m4a (AAC in MP4), webm (Opus), mp3 and 44.1 kHz stereo wav."""
+    directory = tmp_path_factory.mktemp("containers")
+    source = speech_files[1]
+    files = {}
+    for suffix in ("m4a", "webm", "mp3"):
+        path = directory / f"clip.{suffix}"
+        subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i", str(source), str(path)], check=True)
+        files[suffix] = path
+    resampled = directory / "stereo44k.wav"
+    subprocess.run(
+        ["sox", str(source), "-r", "44100", "-c", "2", str(resampled)], check=True, capture_output=True
+    )
+    files["stereo44k"] = resampled
+    return files
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == ERROR_KEYS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert "Traceback" not in response.text
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def _post(server, files=None, data=None, key: str | None = API_KEYS[0], path="transcriptions", **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(
+        f"{server.url}/v1/audio/{path}", files=files, data=data, headers=headers, timeout=120, **kwargs
+    )
+
+
+# --- open endpoints, models, auth ---------------------------------------------------------
+
+
+def test_health_version_metrics_are_open(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    metrics = httpx.get(f"{server.url}/metrics")
+    assert metrics.status_code == 200 and "asrserve_kv_cache_blocks_total" in metrics.text
+
+
+def test_models_list_and_retrieve(client):
+    assert [model.id for model in client.models.list().data] == ["tiny.en", "whisper-1"]
+    assert client.models.retrieve("whisper-1").id == "whisper-1"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o-transcribe")
+
+
+BAD_AUTH = [None, "Bearer wrong-key", "Bearer", f"Basic {API_KEYS[0]}", API_KEYS[0], f"Bearer {API_KEYS[0]}x"]
+
+
+@pytest.mark.parametrize("header", BAD_AUTH)
+def test_v1_needs_a_valid_api_key(server, speech_files, header):
+    headers = {"Authorization": header} if header is not None else {}
+    response = httpx.post(
+        f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[0].read_bytes()}, headers=headers
+    )
+    _assert_error(response, 401, code="invalid_api_key")
+    assert response.headers["www-authenticate"] == "Bearer"
+    _assert_error(httpx.get(f"{server.url}/v1/models", headers=headers), 401)
+
+
+def test_every_configured_key_works(server, speech_files):
+    for key in API_KEYS:
+        assert _post(server, files={"file": speech_files[0].read_bytes()}, key=key).status_code == 200
+
+
+# --- transcription through the SDK --------------------------------------------------------
+
+
+def test_sdk_json_and_text_match_offline(client, speech_files, expected):
+    for path, text in list(zip(speech_files, expected))[:6]:
+        with open(path, "rb") as file:
+            result = client.audio.transcriptions.create(model="tiny.en", file=file)
+        assert result.text == text
+        assert result.usage.type == "duration"
+        assert result.usage.seconds == pytest.approx(len(load_audio(path)) / SAMPLE_RATE, abs=1e-3)
+        with open(path, "rb") as file:
+            plain = client.audio.transcriptions.create(model="whisper-1", file=file, response_format="text")
+        assert plain == text + "\n"
+
+
+def test_sdk_stream_iterates_openai_events(client, speech_files, expected):
+    with open(speech_files[6], "rb") as file:
+        stream = client.audio.transcriptions.create(model="tiny.en", file=file, stream=True)
+        events = list(stream)
+    deltas = [event for event in events if event.type == "transcript.text.delta"]
+    done = [event for event in events if event.type == "transcript.text.done"]
+    assert len(deltas) >= 3, "the text should arrive in several deltas"
+    assert len(done) == 1 and events[-1] is done[0]
+    assert "".join(event.delta for event in deltas) == done[0].text == expected[6]
+    assert done[0].usage.output_tokens >= len(deltas)
+
+
+def test_raw_stream_is_sse_ending_with_done(server, speech_files):
+    with httpx.stream(
+        "POST", f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[1].read_bytes()},
+        data={"stream": "true"}, headers={"Authorization": f"Bearer {API_KEYS[0]}"}, timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["type"] == "transcript.text.done"
+
+
+def test_containers_and_sample_rates_transcribe(client, containers, offline, expected):
+    # Decoded on the server exactly as offline decodes them (PyAV for what libsndfile refuses).
+    for name, path in containers.items():
+        with open(path, "rb") as file:
+            text = client.audio.transcriptions.create(model="tiny.en", file=file).text
+        assert text == offline.transcribe(path)[0].text, name
+        assert len(set(_words(text)) & set(_words(expected[1]))) >= 3, (name, text)
+
+
+def test_async_sdk_concurrent_requests(async_client, speech_files, expected):
+    async def run():
+        async def one(index):
+            with open(speech_files[index], "rb") as file:
+                result = await async_client.audio.transcriptions.create(model="tiny.en", file=file)
+            return result.text
+
+        async def streamed(index):
+            with open(speech_files[index], "rb") as file:
+                stream = await async_client.audio.transcriptions.create(model="tiny.en", file=file, stream=True)
+                return "".join([event.delta async for event in stream if event.type == "transcript.text.delta"])
+
+        return await asyncio.gather(*[one(i) for i in range(8)], *[streamed(i) for i in range(8, 12)])
+
+    assert asyncio.run(run()) == expected[:12]
+
+
+def test_max_completion_tokens_and_seed(server, speech_files, expected):
+    data = {"max_completion_tokens": "3", "response_format": "json"}
+    text = _post(server, files={"file": speech_files[6].read_bytes()}, data=data).json()["text"]
+    assert 1 <= len(text.split()) <= 3 and expected[6].startswith(text)
+    sampled = [
+        _post(server, files={"file": speech_files[4].read_bytes()}, data={"temperature": "1.0", "seed": "7"})
+        .json()["text"]
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+BAD_FORMS = [
+    ({"temperature": "1.5"}, 400, "temperature"),
+    ({"temperature": "warm"}, 400, "temperature"),
+    ({"response_format": "xml"}, 400, "response_format"),
+    ({"response_format": "srt"}, 400, "response_format"),
+    ({"response_format": "vtt"}, 400, "response_format"),
+    ({"response_format": "verbose_json"}, 400, "response_format"),
+    ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities"),
+    ({"timestamp_granularities": "sentence"}, 400, "timestamp_granularities"),
+    ({"max_completion_tokens": "0"}, 400, "max_completion_tokens"),
+    ({"stream": "maybe"}, 400, "stream"),
+    ({"language": "klingon"}, 400, "language"),
+    ({"language": "de"}, 400, "language"),  # tiny.en is English-only
+    ({"model": "whisper-large"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("data", "status", "param"), BAD_FORMS)
+def test_bad_fields_get_openai_errors(server, speech_files, data, status, param):
+    _assert_error(_post(server, files={"file": speech_files[0].read_bytes()}, data=data), status, param)
+
+
+def test_bad_audio_gets_400(server, tmp_path):
+    cases = {
+        "garbage.wav": b"RIFF this is not audio at all" * 100,
+        "empty.wav": b"",
+        "text.mp3": b"hello world",
+    }
+    for name, content in cases.items():
+        error = _assert_error(_post(server, files={"file": (name, content)}), 400, "file")
+        assert "audio" in error["message"]
+    silent = io.BytesIO()
+    soundfile.write(silent, np.zeros(0, dtype=np.float32), SAMPLE_RATE, format="WAV")
+    _assert_error(_post(server, files={"file": ("nothing.wav", silent.getvalue())}), 400, "file")
+
+
+def test_malformed_requests(server, speech_files):
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    url = f"{server.url}/v1/audio/transcriptions"
+    _assert_error(httpx.post(url, json={"file": "x"}, headers=headers), 400)
+    _assert_error(httpx.post(url, data={"model": "tiny.en"}, files={"other": b"x"}, headers=headers), 400, "file")
+    _assert_error(_post(server, data={"model": "tiny.en"}, files={"not_file": ("a.wav", b"123")}), 400, "file")
+    two = [("file", ("a.wav", speech_files[0].read_bytes())), ("file", ("b.wav", speech_files[1].read_bytes()))]
+    _assert_error(_post(server, files=two), 400, "file")
+    body = b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nabc"
+    response = httpx.post(url, content=body, headers={**headers, "content-type": "multipart/form-data; boundary=xyz"})
+    _assert_error(response, 400)
+
+
+def test_unknown_routes_and_methods_use_the_error_shape(server):
+    _assert_error(httpx.get(f"{server.url}/v1/does-not-exist"), 404)
+    _assert_error(httpx.get(f"{server.url}/v1/audio/transcriptions"), 405)
+
+
+def test_translation_on_an_english_only_model_is_400(server, speech_files):
+    error = _assert_error(_post(server, files={"file": speech_files[1].read_bytes()}, path="translations"), 400)
+    assert "English-only" in error["message"]
+
+
+# --- long audio ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_speech(speech_audio, tmp_path_factory):
+    """About 100 s: sentences with short pauses, and a longer pause over the last second of
+    every 30 s span (spans start where the previous cut fell), so each cut has a pause to find."""
+    gap = np.zeros(int(0.5 * SAMPLE_RATE), np.float32)
+    audio = np.zeros(0, np.float32)
+    order: list[int] = []
+    span_start = 0
+    # Sentences of six words or more: a lone "Hello." is too little for tiny.en to keep in context.
+    sentences = [i for i, text in enumerate(SENTENCES) if len(text.split()) >= 6]
+    index = 0
+    while len(audio) < 100 * SAMPLE_RATE:
+        clip = speech_audio[sentences[index % len(sentences)]]
+        if len(audio) + len(clip) > span_start + int(28.7 * SAMPLE_RATE):
+            pause_end = span_start + int(30.3 * SAMPLE_RATE)
+            audio = np.concatenate([audio, np.zeros(pause_end - len(audio), np.float32)])
+            span_start = split_audio(audio)[-1].offset
+            continue
+        audio = np.concatenate([audio, clip, gap])
+        order.append(sentences[index % len(sentences)])
+        index += 1
+    path = tmp_path_factory.mktemp("long") / "long.wav"
+    soundfile.write(path, audio, SAMPLE_RATE)
+    return path, audio, order
+
+
+def _silent(audio: np.ndarray, sample: int, radius: int = 80) -> bool:
+    return bool(np.all(audio[max(0, sample - radius) : sample + radius] == 0.0))
+
+
+def test_long_audio_is_cut_in_pauses_and_transcribed_in_order(client, long_speech, offline):
+    path, audio, order = long_speech
+    assert len(audio) / SAMPLE_RATE >= 90
+    pieces = split_audio(load_audio(path))
+    assert len(pieces) >= 4
+    for piece in pieces[1:]:
+        assert _silent(audio, piece.offset), f"cut at {piece.start_seconds:.2f} s is not in a pause"
+
+    with open(path, "rb") as file:
+        text = client.audio.transcriptions.create(model="tiny.en", file=file).text
+    assert text == offline.transcribe(path)[0].text
+    # Align the words of the spoken sentences, in order, with the transcript: an in-order
+    # alignment in which every sentence keeps at least half of its words.
+    reference = [(number, word) for number, index in enumerate(order) for word in _words(SENTENCES[index])]
+    matcher = difflib.SequenceMatcher(None, [word for _, word in reference], _words(text), autojunk=False)
+    matched = [0] * len(order)
+    for block in matcher.get_matching_blocks():
+        for number, _ in reference[block.a : block.a + block.size]:
+            matched[number] += 1
+    for number, index in enumerate(order):
+        assert matched[number] >= 0.5 * len(_words(SENTENCES[index])), (number, SENTENCES[index], text)
+
+
+# --- disconnects, load and metrics ---------------------------------------------------------
+
+
+def _wait_idle(server, timeout: float = 60) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        idle = (
+            metrics["asrserve_kv_cache_blocks_used"] == 0
+            and metrics["asrserve_encoder_cache_entries"] == 0
+            and metrics["asrserve_num_requests_running"] == 0
+            and metrics["asrserve_num_requests_waiting"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+def test_client_disconnect_aborts_engine_work(server, long_speech):
+    path, audio, _ = long_speech
+    data = path.read_bytes()
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    aborted_before = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
+
+    # Streamed: read the first delta, then hang up.
+    with httpx.stream(
+        "POST", f"{server.url}/v1/audio/transcriptions", files={"file": data}, data={"stream": "true"},
+        headers=headers, timeout=60,
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+    # Not streamed: give up while the engine is still on it.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": data}, headers=headers, timeout=1.5)
+
+    started = time.monotonic()
+    metrics = _wait_idle(server)
+    assert metrics["asrserve_kv_cache_blocks_used"] == 0
+    assert metrics["asrserve_encoder_cache_entries"] == 0
+    # Both were cut short: pieces were aborted, well before ~100 s of audio could finish.
+    assert metrics["asrserve_engine_requests_aborted_total"] > aborted_before
+    assert time.monotonic() - started < 10
+
+
+def test_health_stays_fast_under_load(server, long_speech):
+    """16 long transcriptions in flight; /health must answer quickly throughout."""
+    path, _, _ = long_speech
+    data = path.read_bytes()
+
+    async def run():
+        headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+        async with httpx.AsyncClient(timeout=120) as http:
+            started = asyncio.Event()
+            first_deltas = 0
+
+            async def transcribe():
+                nonlocal first_deltas
+                async with http.stream(
+                    "POST", f"{server.url}/v1/audio/transcriptions", files={"file": data},
+                    data={"stream": "true"}, headers=headers,
+                ) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            first_deltas += 1
+                            if first_deltas == 16:
+                                started.set()
+                            await asyncio.sleep(3600)  # keep the stream open until cancelled
+
+            tasks = [asyncio.create_task(transcribe()) for _ in range(16)]
+            await asyncio.wait_for(started.wait(), 120)
+            latencies = []
+            async with httpx.AsyncClient(timeout=10) as probe:
+                for _ in range(150):
+                    begin = time.perf_counter()
+                    response = await probe.get(f"{server.url}/health")
+                    latencies.append(time.perf_counter() - begin)
+                    assert response.status_code == 200
+                    await asyncio.sleep(0.02)
+            running = server.metrics()["asrserve_num_requests_running"]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return latencies, running
+
+    latencies, running = asyncio.run(run())
+    assert running > 0, "the engine should have been busy during the measurement"
+    p50, p99 = np.percentile(latencies, [50, 99]) * 1000
+    print(f"/health under 16 long streams: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    assert p99 < 50, f"/health p99 {p99:.1f} ms under load"
+    metrics = _wait_idle(server)
+    assert metrics["asrserve_kv_cache_blocks_used"] == 0
+
+
+def test_metrics_after_completed_streamed_and_disconnected_requests(server, client, speech_files, long_speech):
+    clip = speech_files[6].read_bytes()
+    with ThreadPoolExecutor(4) as pool:
+        completed = [pool.submit(_post, server, files={"file": clip}) for _ in range(4)]
+        streamed = [pool.submit(_post, server, files={"file": clip}, data={"stream": "true"}) for _ in range(3)]
+        bad = pool.submit(_post, server, files={"file": clip}, data={"temperature": "-1"})
+        unauthorized = pool.submit(_post, server, files={"file": clip}, key="nope")
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a long transcription
+            httpx.post(
+                f"{server.url}/v1/audio/transcriptions", files={"file": long_speech[0].read_bytes()},
+                headers={"Authorization": f"Bearer {API_KEYS[0]}"}, timeout=1.0,
+            )
+        assert [f.result().status_code for f in completed + streamed] == [200] * 7
+        assert (bad.result().status_code, unauthorized.result().status_code) == (400, 401)
+
+    metrics = _wait_idle(server)
+    assert metrics["asrserve_kv_cache_blocks_used"] == 0
+    assert metrics["asrserve_encoder_cache_entries"] == 0
+    assert metrics["asrserve_kv_cache_blocks_total"] > 0
+    assert metrics['asrserve_requests_total{endpoint="transcriptions",status="200"}'] >= 7
+    assert metrics['asrserve_requests_total{endpoint="transcriptions",status="400"}'] >= 1
+    assert metrics['asrserve_requests_total{endpoint="transcriptions",status="401"}'] >= 1
+    assert metrics['asrserve_requests_total{endpoint="health",status="200"}'] >= 1
+    assert metrics['asrserve_request_latency_seconds_count{endpoint="transcriptions"}'] >= 7
+    assert metrics['asrserve_time_to_first_token_seconds_count{endpoint="transcriptions"}'] >= 7
+    assert metrics['asrserve_audio_seconds_total{endpoint="transcriptions"}'] > 7 * 2
+    assert metrics['asrserve_output_tokens_total{endpoint="transcriptions"}'] >= 7 * 5
+    assert metrics["asrserve_engine_requests_aborted_total"] >= 1
+    assert metrics["asrserve_encoder_batch_size_count"] >= 1
+    assert metrics["asrserve_encoder_batch_size_sum"] > metrics["asrserve_encoder_batch_size_count"], (
+        "some encoder forwards should have batched several audios"
+    )
+    assert metrics["asrserve_preprocess_queue_depth"] == 0
+    assert metrics["asrserve_http_requests_waiting"] == 0

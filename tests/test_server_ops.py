@@ -1,0 +1,264 @@
+"""Server limits, configuration from the environment, translations on a multilingual model,
+start-up and engine failures, and the pieces of the server that need no engine."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+from fastapi.testclient import TestClient
+
+from asrserve.cli import build_parser
+from asrserve.config import SAMPLE_RATE, EngineConfig, ServerConfig
+from asrserve.entrypoints.api_server import build_app
+from asrserve.entrypoints.transcription import IncrementalText
+from tests.conftest import synthesize
+from tests.server_utils import ServerProcess, free_port
+from tests.test_server import _assert_error
+
+# --- limits, configured through ASRSERVE_* variables only --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited_server():
+    env = {
+        "ASRSERVE_MAX_AUDIO_FILESIZE_MB": "0.5",
+        "ASRSERVE_MAX_AUDIO_DURATION_S": "8",
+        "ASRSERVE_MAX_WAITING_REQUESTS": "2",
+        "ASRSERVE_MAX_NUM_SEQS": "1",
+        "ASRSERVE_MAX_ENCODER_BATCH": "1",
+        "ASRSERVE_PREPROCESS_WORKERS": "1",
+        "ASRSERVE_SERVED_MODEL_NAME": "small-box,whisper-1",
+    }
+    process = ServerProcess([], env=env)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def _wav_bytes(seconds: float, rate: int = SAMPLE_RATE) -> bytes:
+    buffer = io.BytesIO()
+    t = np.arange(int(seconds * rate)) / rate
+    soundfile.write(buffer, (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), rate, format="WAV")
+    return buffer.getvalue()
+
+
+def test_environment_configures_the_server(limited_server):
+    models = httpx.get(f"{limited_server.url}/v1/models").json()
+    assert [model["id"] for model in models["data"]] == ["small-box", "whisper-1"]
+
+
+def test_oversized_upload_is_refused_with_413(limited_server):
+    url = f"{limited_server.url}/v1/audio/transcriptions"
+    big = _wav_bytes(20.0)  # 1.3 MB of 32-bit float wav, over the 0.5 MB limit
+    _assert_error(httpx.post(url, files={"file": ("big.wav", big)}), 413, "file", "file_too_large")
+
+    # Without a Content-Length the limit applies while reading: the server answers 413 long
+    # before the client could finish sending 200 MB.
+    def endless():
+        head = b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.wav"\r\n\r\n'
+        yield head
+        for _ in range(200):
+            yield b"\0" * (1024 * 1024)
+
+    started = time.monotonic()
+    try:
+        response = httpx.post(
+            url, content=endless(), headers={"content-type": "multipart/form-data; boundary=b"}, timeout=30
+        )
+        _assert_error(response, 413, "file", "file_too_large")
+    except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+        pass  # the server answered and closed while we were still sending: refused as well
+    assert time.monotonic() - started < 20
+    assert httpx.get(f"{limited_server.url}/health").status_code == 200
+
+
+def test_audio_over_the_duration_limit_is_400(limited_server):
+    url = f"{limited_server.url}/v1/audio/transcriptions"
+    compressed = io.BytesIO()
+    t = np.arange(10 * SAMPLE_RATE) / SAMPLE_RATE
+    soundfile.write(compressed, (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), SAMPLE_RATE, format="FLAC")
+    error = _assert_error(httpx.post(url, files={"file": ("long.flac", compressed.getvalue())}), 400, "file")
+    assert error["code"] == "audio_too_long" and "at most 8 s" in error["message"]
+    assert httpx.post(url, files={"file": ("ok.wav", _wav_bytes(2.0))}).status_code == 200
+
+
+def test_over_the_waiting_bound_is_429_with_retry_after(limited_server, speech_files):
+    url = f"{limited_server.url}/v1/audio/transcriptions"
+    audio = speech_files[6].read_bytes()
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda _: httpx.post(url, files={"file": audio}, timeout=120), range(12)))
+    statuses = [response.status_code for response in responses]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
+    for response in responses:
+        if response.status_code == 429:
+            _assert_error(response, 429, code="server_busy")
+            assert int(response.headers["retry-after"]) >= 1
+    assert httpx.post(url, files={"file": audio}, timeout=120).status_code == 200  # and it recovers
+
+
+# --- translations and language detection on the multilingual base --------------------------
+
+
+@pytest.fixture(scope="module")
+def base_server():
+    process = ServerProcess(["base"])
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def test_translation_and_language_detection(base_server, tmp_path):
+    german = synthesize("Guten Morgen. Ich habe heute keine Zeit, aber morgen komme ich gerne.", tmp_path / "de.wav",
+                        voice="de")
+    client = openai.OpenAI(base_url=f"{base_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with open(german, "rb") as file:
+        transcript = client.audio.transcriptions.create(model="base", file=file).text
+    with open(german, "rb") as file:
+        given = client.audio.transcriptions.create(model="base", file=file, language="de").text
+    with open(german, "rb") as file:
+        translation = client.audio.translations.create(model="base", file=file).text
+    assert transcript == given  # detected German, as if told
+    assert "morgen" in transcript.lower()
+    assert translation != transcript
+    assert "morning" in translation.lower() or "tomorrow" in translation.lower(), translation
+    response = httpx.post(
+        f"{base_server.url}/v1/audio/transcriptions", files={"file": german.read_bytes()}, data={"language": "xx"}
+    )
+    _assert_error(response, 400, "language")
+
+
+# --- start-up and engine failures ----------------------------------------------------------
+
+
+def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(speech_files):
+    # The engine process takes seconds to import torch and load: /health says 503 meanwhile.
+    process = ServerProcess(["--max-num-seqs", "4"])
+    try:
+        process.wait_ready()
+        assert 503 in process.health_statuses
+        assert process.health_statuses[-1] == 200
+        loading = [s for s in process.health_statuses if s != 200]
+        assert set(loading) == {503}
+
+        engine_pid = process.engine_pid()
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(
+                httpx.post, f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[4].read_bytes()},
+                timeout=60,
+            )
+            time.sleep(0.3)
+            subprocess.run(["kill", "-9", str(engine_pid)], check=True)
+            response = in_flight.result()
+        # The request in flight fails cleanly instead of hanging.
+        assert response.status_code in (200, 503)
+        if response.status_code == 503:
+            _assert_error(response, 503, code="engine_dead")
+        seen_503 = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and process.process.poll() is None:
+            try:
+                health = httpx.get(f"{process.url}/health", timeout=2)
+            except httpx.TransportError:
+                break
+            if health.status_code == 503:
+                seen_503 = True
+                assert health.json()["status"] == "error"
+            time.sleep(0.05)
+        assert seen_503
+        assert process.process.wait(timeout=30) != 0
+        assert "engine process exited unexpectedly" in process.logs()
+    finally:
+        process.stop()
+
+
+def test_a_model_that_cannot_load_exits_with_a_one_line_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "asrserve", "serve", str(tmp_path / "missing"), "--port", str(free_port()),
+         "--host", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert any("not found" in line for line in errors), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_sigterm_stops_server_and_engine():
+    process = ServerProcess([])
+    try:
+        process.wait_ready()
+        engine_pid = process.engine_pid()
+        process.process.send_signal(signal.SIGTERM)
+        # uvicorn shuts down in order, then re-raises the signal: a clean exit "by SIGTERM".
+        assert process.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in process.logs()
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine_pid, 0)
+    finally:
+        process.stop()
+
+
+# --- no engine needed -----------------------------------------------------------------------
+
+
+def test_framework_errors_keep_the_openai_shape():
+    app = build_app(ServerConfig(), EngineConfig())
+
+    @app.get("/test/number/{value}")
+    async def number(value: int) -> dict:
+        return {"value": value}
+
+    @app.get("/test/bug")
+    async def bug() -> dict:
+        raise RuntimeError("secret internal detail")
+
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: no engine is started
+    _assert_error(client.get("/test/number/abc"), 400, "value")
+    response = client.get("/test/bug")
+    error = _assert_error(response, 500, code="internal_error")
+    assert "secret internal detail" not in response.text and error["type"] == "server_error"
+    _assert_error(client.post("/v1/audio/transcriptions", files={"file": b"x"}), 503, code="model_loading")
+    assert client.get("/health").status_code == 503
+
+
+def test_every_serve_option_reads_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("ASRSERVE_PORT", "9123")
+    monkeypatch.setenv("ASRSERVE_API_KEY", "k1, k2")
+    monkeypatch.setenv("ASRSERVE_MODEL", "base")
+    monkeypatch.setenv("ASRSERVE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("ASRSERVE_DTYPE", "bfloat16")
+    args = build_parser().parse_args(["serve"])
+    values = (args.port, args.api_key, args.model, args.max_num_seqs, args.dtype)
+    assert values == (9123, ["k1", "k2"], "base", 7, "bfloat16")
+    assert build_parser().parse_args(["serve", "tiny.en", "--port", "1"]).port == 1  # flags win
+    assert build_parser().parse_args(["serve", "tiny.en"]).model == "tiny.en"
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    for action in serve._actions:
+        if action.dest != "help":
+            assert f"ASRSERVE_{action.dest.upper()}" in action.help
+
+
+def test_incremental_text_never_splits_a_character(tiny_en_engine):
+    tokenizer = tiny_en_engine.tokenizer
+    text = " Zoë said 日本語 is ünïcödé, naïve café — ok."
+    tokens = tokenizer.encode(text)
+    stream = IncrementalText(tokenizer)
+    deltas = [stream.add([token]) for token in tokens] + [stream.finish()]
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == text.strip()
+    assert sum(1 for delta in deltas if delta) > 5
