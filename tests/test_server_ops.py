@@ -3,11 +3,13 @@ start-up and engine failures, and the pieces of the server that need no engine."
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -262,3 +264,37 @@ def test_incremental_text_never_splits_a_character(tiny_en_engine):
     assert all("\ufffd" not in delta for delta in deltas)
     assert "".join(deltas) == text.strip()
     assert sum(1 for delta in deltas if delta) > 5
+
+
+def test_a_queued_preprocessing_job_is_cancelled_when_its_client_leaves(monkeypatch):
+    from asrserve.entrypoints import preprocess
+
+    release = threading.Event()
+    decoded: list[bytes] = []
+
+    def slow_load_audio(data, max_duration_s=None):
+        decoded.append(bytes(data))
+        release.wait(10)
+        return np.zeros(SAMPLE_RATE, np.float32)
+
+    monkeypatch.setattr(preprocess, "load_audio", slow_load_audio)
+    pool = preprocess.PreprocessPool(num_workers=1, max_duration_s=None)
+
+    async def run():
+        first = asyncio.create_task(pool.prepare(b"first"))
+        await asyncio.sleep(0.2)  # the only worker is busy with it
+        second = asyncio.create_task(pool.prepare(b"second"))
+        await asyncio.sleep(0.1)
+        assert pool.num_queued == 1
+        second.cancel()  # its client left
+        await asyncio.sleep(0.1)
+        assert pool.num_queued == 0
+        release.set()
+        prepared = await first
+        assert prepared.duration_s == 1.0 and len(prepared.pieces) == 1
+        with pytest.raises(asyncio.CancelledError):
+            await second
+
+    asyncio.run(run())
+    pool.shutdown()
+    assert decoded == [b"first"]  # the cancelled job never ran
