@@ -31,6 +31,7 @@ from asrserve.entrypoints.protocol import (
     TranscriptionRequest,
     error_body,
     usage_duration,
+    validation_error,
 )
 from asrserve.entrypoints.transcription import TranscriptionJob
 from asrserve.entrypoints.upload import ClientGone, read_form
@@ -413,7 +414,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        api = validation_error_from_fastapi(error)
+        api = validation_error(error.errors())
         return JSONResponse(api.body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -428,14 +429,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         body = error_body("internal server error: this is a bug in asrserve; the log has the details", "server_error",
                           code="internal_error")
         return JSONResponse(body, status_code=500)
-
-
-def validation_error_from_fastapi(error: RequestValidationError) -> APIError:
-    first = error.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
-    param = location[0] if location else None
-    message = first.get("msg", "invalid request")
-    return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
 class MetricsMiddleware:

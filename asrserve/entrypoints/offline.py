@@ -21,9 +21,7 @@ from asrserve.config import (
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from asrserve.errors import InvalidRequestError
-
-# Scripts written without spaces between words: their pieces join without one.
-_NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue", "bo"}
+from asrserve.model.languages import NO_SPACE_LANGUAGES
 
 
 @dataclass
@@ -199,7 +197,7 @@ class ASR:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
         language = next((lang for lang in job.languages if lang), None)
-        separator = "" if language in _NO_SPACE_LANGUAGES else " "
+        separator = "" if language in NO_SPACE_LANGUAGES else " "
         texts = [self.tokenizer.decode(tokens).strip() for tokens in job.pieces]
         all_tokens = [t for tokens in job.pieces for t in tokens]
         all_logprobs = [lp for logprobs in job.logprobs for lp in logprobs]

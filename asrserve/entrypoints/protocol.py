@@ -71,14 +71,15 @@ class TranscriptionRequest(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as error:
-            raise validation_error(error) from None
+            raise validation_error(error.errors()) from None
 
 
-def validation_error(error: ValidationError) -> APIError:
-    first = error.errors()[0]
-    location = [str(part) for part in first["loc"] if part not in ("body", "query")]
+def validation_error(errors) -> APIError:
+    """The first of pydantic's (or FastAPI's) validation errors, as a 400 naming its field."""
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
     param = location[0] if location else None
-    message = first["msg"]
+    message = first.get("msg", "invalid request")
     if first["type"] == "literal_error" and param == "response_format":
         message = f"response_format must be one of {', '.join(RESPONSE_FORMATS)}"
     elif first["type"] == "literal_error" and param == "timestamp_granularities":

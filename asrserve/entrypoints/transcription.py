@@ -13,10 +13,8 @@ from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.errors import InvalidRequestError
+from asrserve.model.languages import NO_SPACE_LANGUAGES
 from asrserve.model.tokenizer import WhisperTokenizer
-
-# Scripts written without spaces between words: their pieces join without one.
-NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue", "bo"}
 
 
 class IncrementalText:

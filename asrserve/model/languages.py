@@ -37,3 +37,7 @@ def normalize_language(language: str) -> str | None:
     if key in LANGUAGES:
         return key
     return _ALIASES.get(key)
+
+
+# Scripts written without spaces between words: texts of consecutive pieces join without one.
+NO_SPACE_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "my", "yue", "bo"})
