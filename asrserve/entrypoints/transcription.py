@@ -28,6 +28,8 @@ class IncrementalText:
         self.emitted = ""
 
     def add(self, token_ids: list[int]) -> str:
+        if not token_ids:  # language or end-of-text steps: nothing new to decode
+            return ""
         self.token_ids.extend(token_ids)
         text = self.tokenizer.decode(self.token_ids).strip()
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
