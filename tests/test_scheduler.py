@@ -26,8 +26,11 @@ class FakeTokenizer:
     def language_of(self, token_id: int) -> str:
         return {LANGUAGE_DE: "de"}[token_id]
 
-    def task_tokens(self, language: str, task: str) -> list[int]:
-        return [LANGUAGE_DE, 50359, 50363]
+    def task_tokens(self, language: str, task: str, timestamps: bool = False) -> list[int]:
+        return [LANGUAGE_DE, 50359] + ([] if timestamps else [50363])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(f"t{t}" for t in token_ids if t < EOT)
 
 
 def make_request(request_id: str, max_tokens: int = 224, detect_language: bool = False) -> Request:

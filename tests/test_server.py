@@ -65,6 +65,12 @@ def expected(offline, speech_files) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def expected_streamed(offline, speech_files) -> list[str]:
+    """Streaming decodes each piece once (no fallback, no silence judgement)."""
+    return [result.text for result in offline.transcribe(speech_files, fallback=False)]
+
+
+@pytest.fixture(scope="module")
 def containers(speech_files, tmp_path_factory) -> dict[str, object]:
     """Clip 1 as m4a (AAC in MP4), webm (Opus), mp3 and 44.1 kHz stereo wav."""
     directory = tmp_path_factory.mktemp("containers")
@@ -158,7 +164,7 @@ def test_sdk_json_and_text_match_offline(client, speech_files, expected):
         assert plain == text + "\n"
 
 
-def test_sdk_stream_iterates_openai_events(client, speech_files, expected):
+def test_sdk_stream_iterates_openai_events(client, speech_files, expected_streamed):
     with open(speech_files[6], "rb") as file:
         stream = client.audio.transcriptions.create(model="tiny.en", file=file, stream=True)
         events = list(stream)
@@ -166,7 +172,7 @@ def test_sdk_stream_iterates_openai_events(client, speech_files, expected):
     done = [event for event in events if event.type == "transcript.text.done"]
     assert len(deltas) >= 3, "the text should arrive in several deltas"
     assert len(done) == 1 and events[-1] is done[0]
-    assert "".join(event.delta for event in deltas) == done[0].text == expected[6]
+    assert "".join(event.delta for event in deltas) == done[0].text == expected_streamed[6]
     assert done[0].usage.output_tokens >= len(deltas)
 
 
@@ -192,7 +198,7 @@ def test_containers_and_sample_rates_transcribe(client, containers, offline, exp
         assert len(set(_words(text)) & set(_words(expected[1]))) >= 3, (name, text)
 
 
-def test_async_sdk_concurrent_requests(async_client, speech_files, expected):
+def test_async_sdk_concurrent_requests(async_client, speech_files, expected, expected_streamed):
     async def run():
         async def one(index):
             with open(speech_files[index], "rb") as file:
@@ -206,7 +212,7 @@ def test_async_sdk_concurrent_requests(async_client, speech_files, expected):
 
         return await asyncio.gather(*[one(i) for i in range(8)], *[streamed(i) for i in range(8, 12)])
 
-    assert asyncio.run(run()) == expected[:12]
+    assert asyncio.run(run()) == expected[:8] + expected_streamed[8:12]
 
 
 def test_max_completion_tokens_and_seed(server, speech_files, expected):
@@ -221,6 +227,80 @@ def test_max_completion_tokens_and_seed(server, speech_files, expected):
     assert sampled[0] == sampled[1]
 
 
+# --- timestamps, subtitles, prompts ---------------------------------------------------------
+
+
+def test_sdk_verbose_json_with_segments_and_words(client, speech_files, offline):
+    from openai.types.audio import TranscriptionVerbose
+
+    path = speech_files[6]
+    with open(path, "rb") as file:
+        result = client.audio.transcriptions.create(
+            model="tiny.en", file=file, response_format="verbose_json", timestamp_granularities=["word", "segment"]
+        )
+    assert isinstance(result, TranscriptionVerbose)
+    reference = offline.transcribe(path, word_timestamps=True)[0]
+    assert result.text == reference.text and result.language == "en"
+    assert result.duration == pytest.approx(reference.duration, abs=1e-3)
+    assert result.segments and result.words
+    assert [s.text for s in result.segments] == [s.text for s in reference.segments]
+    for segment in result.segments:
+        assert 0 <= segment.start < segment.end <= result.duration
+        assert segment.tokens and segment.temperature == 0.0 and segment.avg_logprob > -1.0
+        assert 0 <= segment.no_speech_prob <= 1 and segment.compression_ratio > 0
+    assert " ".join(w.word for w in result.words) == " ".join(s.text.strip() for s in result.segments)
+    assert all(a.start <= b.start for a, b in zip(result.words, result.words[1:]))
+    assert all(w.start < w.end for w in result.words)
+
+    with open(path, "rb") as file:  # segments only: no words
+        segments_only = client.audio.transcriptions.create(
+            model="tiny.en", file=file, response_format="verbose_json"
+        )
+    assert segments_only.segments and not segments_only.words
+
+
+def test_srt_and_vtt_through_the_sdk(client, server, speech_files):
+    import srt
+    import webvtt
+
+    with open(speech_files[4], "rb") as file:
+        subtitles = client.audio.transcriptions.create(model="tiny.en", file=file, response_format="srt")
+    cues = list(srt.parse(subtitles))
+    assert cues and all(c.start < c.end for c in cues) and [c.index for c in cues] == list(range(1, len(cues) + 1))
+    with open(speech_files[4], "rb") as file:
+        captions = client.audio.transcriptions.create(model="tiny.en", file=file, response_format="vtt")
+    parsed = webvtt.from_buffer(io.StringIO(captions)).captions
+    assert [c.text for c in parsed] == [c.content for c in cues]
+    for response_format, content_type in (("srt", "application/x-subrip"), ("vtt", "text/vtt")):
+        data = {"response_format": response_format}
+        response = _post(server, files={"file": speech_files[4].read_bytes()}, data=data)
+        assert response.headers["content-type"] == f"{content_type}; charset=utf-8"
+
+
+def test_long_audio_segments_carry_each_pieces_offset(client, long_speech):
+    path, audio, _ = long_speech
+    with open(path, "rb") as file:
+        result = client.audio.transcriptions.create(model="tiny.en", file=file, response_format="verbose_json")
+    duration = len(audio) / SAMPLE_RATE
+    pieces = split_audio(audio)
+    segments = result.segments
+    assert all(0 <= s.start < s.end <= duration + 1e-3 for s in segments)
+    assert all(a.start <= b.start and a.end <= b.start + 1e-6 for a, b in zip(segments, segments[1:]))
+    # Every piece has its segments, placed after the piece's real start.
+    seeks = sorted({s.seek for s in segments})
+    assert seeks == [round(piece.start_seconds * 100) for piece in pieces]
+    for segment in segments:
+        assert segment.start >= segment.seek / 100 - 1e-6
+    assert segments[-1].end > duration - 15
+
+
+def test_prompt_through_the_server(server, speech_files, offline):
+    prompt = "Glue the sheet to the dark blue background."
+    response = _post(server, files={"file": speech_files[9].read_bytes()}, data={"prompt": prompt})
+    assert response.json()["text"] == offline.transcribe(speech_files[9], prompt=prompt)[0].text
+    assert _words(response.json()["text"])[:3] == ["glue", "the", "sheet"]
+
+
 # --- errors --------------------------------------------------------------------------------
 
 
@@ -228,10 +308,11 @@ BAD_FORMS = [
     ({"temperature": "1.5"}, 400, "temperature"),
     ({"temperature": "warm"}, 400, "temperature"),
     ({"response_format": "xml"}, 400, "response_format"),
-    ({"response_format": "srt"}, 400, "response_format"),
-    ({"response_format": "vtt"}, 400, "response_format"),
-    ({"response_format": "verbose_json"}, 400, "response_format"),
-    ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities"),
+    ({"response_format": "srt", "stream": "true"}, 400, "stream"),
+    ({"response_format": "vtt", "stream": "true"}, 400, "stream"),
+    ({"response_format": "verbose_json", "stream": "true"}, 400, "stream"),
+    ({"timestamp_granularities[]": "word"}, 400, "timestamp_granularities"),  # needs verbose_json
+    ({"timestamp_granularities[]": "word", "response_format": "srt"}, 400, "timestamp_granularities"),
     ({"timestamp_granularities": "sentence"}, 400, "timestamp_granularities"),
     ({"max_completion_tokens": "0"}, 400, "max_completion_tokens"),
     ({"stream": "maybe"}, 400, "stream"),

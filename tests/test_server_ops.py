@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,10 @@ def test_over_the_waiting_bound_is_429_with_retry_after(limited_server, speech_f
 # --- translations and language detection on the multilingual base --------------------------
 
 
+ENGLISH_WORDS = {"good", "morning", "i", "have", "no", "time", "today", "but", "tomorrow", "will", "come", "gladly",
+                 "like", "to", "the", "don't", "am", "coming", "happy", "be"}
+
+
 @pytest.fixture(scope="module")
 def base_server():
     process = ServerProcess(["base"])
@@ -137,6 +142,11 @@ def test_translation_and_language_detection(base_server, tmp_path):
     assert "morgen" in transcript.lower()
     assert translation != transcript
     assert "morning" in translation.lower() or "tomorrow" in translation.lower(), translation
+    with open(german, "rb") as file:
+        verbose = client.audio.translations.create(model="base", file=file, response_format="verbose_json")
+    assert verbose.task == "translate" and verbose.language == "de" and verbose.segments
+    assert verbose.text == " ".join(s.text.strip() for s in verbose.segments)
+    assert len(set(re.findall(r"[a-z]+", verbose.text.lower())) & ENGLISH_WORDS) >= 2, verbose.text
     response = httpx.post(
         f"{base_server.url}/v1/audio/transcriptions", files={"file": german.read_bytes()}, data={"language": "xx"}
     )

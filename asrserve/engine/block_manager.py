@@ -56,15 +56,26 @@ class BlockManager:
         assert self.can_grow(request), request
         request.self_block_table.extend(self._take(self.blocks_to_grow(request)))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Returns the self-attention blocks past the first num_tokens tokens (a decode that
+        restarts after its prompt keeps the prompt's blocks and its cross-attention)."""
+        keep = self.blocks_for_tokens(num_tokens)
+        for block_id in request.self_block_table[keep:]:
+            self._release(block_id)
+        del request.self_block_table[keep:]
+
     def free(self, request: Request) -> None:
         """Returns every block of the request to the pool. Idempotent: a request without
         blocks frees nothing."""
         for block_id in (*request.cross_block_table, *request.self_block_table):
-            assert not self._is_free[block_id], f"block {block_id} freed twice"
-            self._is_free[block_id] = True
-            self._free_block_ids.append(block_id)
+            self._release(block_id)
         request.cross_block_table = []
         request.self_block_table = []
+
+    def _release(self, block_id: int) -> None:
+        assert not self._is_free[block_id], f"block {block_id} freed twice"
+        self._is_free[block_id] = True
+        self._free_block_ids.append(block_id)
 
     def _take(self, count: int) -> list[int]:
         block_ids = [self._free_block_ids.popleft() for _ in range(count)]

@@ -51,8 +51,10 @@ class EngineCore:
         language: str | None = None,
         task: str = "transcribe",
         sampling_params: SamplingParams | None = None,
+        prompt: str | None = None,
     ) -> None:
         """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
+        prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
         if request_id in self.scheduler.requests:
@@ -60,14 +62,16 @@ class EngineCore:
         sampling_params = sampling_params or SamplingParams()
         check_audio_piece(audio)
         language = self.check_language(language, task)
-        prompt = self.tokenizer.sot_sequence(language, task)
+        previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None
+        tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         detect_language = language is None and self.is_multilingual
         # Whisper's sample_len: half the decoder context, and never past its end.
-        prompt_len = len(prompt) + (3 if detect_language else 0)
+        prompt_len = len(tokens) + (3 if detect_language else 0)
         limit = self.dims.n_text_ctx - prompt_len
         max_tokens = min(sampling_params.max_tokens or self.dims.n_text_ctx // 2, limit)
         request = Request(
-            request_id, audio, prompt, sampling_params, max_tokens, task=task, detect_language=detect_language
+            request_id, audio, tokens, sampling_params, max_tokens, task=task, detect_language=detect_language,
+            sot_index=tokens.index(self.tokenizer.special.sot),
         )
         request.language = language if self.is_multilingual else "en"
         self.scheduler.add(request)

@@ -34,6 +34,7 @@ class EngineRequest:
     language: str | None
     task: str
     sampling_params: SamplingParams
+    prompt: str | None = None
 
 
 @dataclass
@@ -144,7 +145,8 @@ class EngineLoop:
             for request in payload:
                 try:
                     self.core.add_request(
-                        request.request_id, request.audio, request.language, request.task, request.sampling_params
+                        request.request_id, request.audio, request.language, request.task, request.sampling_params,
+                        request.prompt,
                     )
                 except InvalidRequestError as error:
                     outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))

@@ -17,12 +17,58 @@ class SamplingParams:
     seed: int | None = None
     # Tokens to generate at most; None: half the decoder context (Whisper's sample_len, 224).
     max_tokens: int | None = None
+    # Decode with Whisper's timestamp tokens (segments) instead of <|notimestamps|>.
+    timestamps: bool = False
+    # Keep the alignment heads' cross-attention of every token, for word timestamps.
+    word_timestamps: bool = False
+    # Temperatures to retry at, in order, while a decode fails the checks below (openai/whisper's
+    # fallback: (0.2, 0.4, ..., 1.0) after a greedy decode). Empty: decode once.
+    fallback_temperatures: tuple[float, ...] = ()
+    compression_ratio_threshold: float | None = 2.4  # above: too repetitive, retry
+    logprob_threshold: float | None = -1.0  # average logprob below: retry
+    # no_speech_prob above this and average logprob below logprob_threshold: the piece is
+    # silence (its text is dropped). None: never.
+    no_speech_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature <= 2.0 or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
+        for temperature in (self.temperature, *self.fallback_temperatures):
+            if not 0.0 <= temperature <= 2.0 or temperature != temperature:
+                raise ValueError(f"temperature must be between 0 and 2, got {temperature}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+    @classmethod
+    def transcription(cls, temperature: float = 0.0, *, decode_once: bool = False, **kwargs) -> "SamplingParams":
+        """OpenAI's semantics: temperature 0 decodes greedily and retries a piece that fails the
+        checks at 0.2, 0.4, ... 1.0; a piece judged silence loses its text. A temperature above
+        0 samples once. decode_once (streaming, where sent text cannot be taken back): neither
+        retries nor silence judgement."""
+        if decode_once:
+            return cls(temperature=temperature, **kwargs)
+        fallback = FALLBACK_TEMPERATURES if temperature == 0 else ()
+        return cls(temperature=temperature, fallback_temperatures=fallback, no_speech_threshold=NO_SPEECH_THRESHOLD,
+                   **kwargs)
+
+
+# openai/whisper's transcribe(): greedy, then these while the checks fail.
+FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+NO_SPEECH_THRESHOLD = 0.6
+
+
+@dataclass
+class DecodeSummary:
+    """How a piece's final decode went: openai/whisper's per-window figures, plus word timing."""
+
+    temperature: float  # of the attempt kept
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float | None  # P(<|nospeech|>) at <|startoftranscript|>
+    no_speech: bool  # judged silence: its text should be dropped
+    num_attempts: int
+    # Word timestamps: for each text token of the output (in order) and then <|endoftext|>,
+    # the time in seconds from the piece's start at which the alignment reaches it.
+    token_times: list[float] | None = None
 
 
 @dataclass
@@ -36,6 +82,20 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     language: str | None = None  # set once known (given or detected)
     error: str | None = None  # why the engine refused the request (finish_reason "error")
+    # A temperature fallback began: every token sent so far for this request is void.
+    restarted: bool = False
+    summary: DecodeSummary | None = None  # with the finishing output (not for aborts or errors)
+
+
+@dataclass
+class Attempt:
+    """A finished decode of a piece that fallback may still retry (or, in the end, pick)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    summary: DecodeSummary
+    alignment_scores: list
+    finish_reason: str  # "stop" or "length"
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +128,7 @@ class Request:
         max_tokens: int,
         task: str = "transcribe",
         detect_language: bool = False,
+        sot_index: int = 0,
     ):
         self.request_id = request_id
         self.audio = audio  # 16 kHz mono float32, at most 30 s
@@ -89,6 +150,16 @@ class Request:
         self.needs_language = detect_language
         self.language: str | None = None
         self.language_prob: float | None = None
+        # Where <|startoftranscript|> sits in the prompt: no_speech_prob is read there.
+        self.sot_index = sot_index
+        self.no_speech_prob: float | None = None
+        # Temperature fallback: the temperature of this attempt, the ones left, finished attempts.
+        self.temperature = sampling_params.temperature
+        self.fallback_temperatures = list(sampling_params.fallback_temperatures)
+        self.attempts: list[Attempt] = []
+        # Word timestamps: the alignment heads' cross-attention scores [heads, 1500] of the step
+        # that sampled each output token.
+        self.alignment_scores: list = []
 
         # Owned block tables (the block manager owns only the pool).
         self.self_block_table: list[int] = []

@@ -15,10 +15,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from asrserve.config import SchedulerConfig
+import torch
+
+from asrserve.config import SAMPLE_RATE, SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
-from asrserve.engine.request import Request, RequestOutput, RequestStatus
+from asrserve.engine.fallback import is_silence, needs_fallback, pick_attempt, summarize
+from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
+from asrserve.engine.word_timing import token_times
 from asrserve.model.tokenizer import WhisperTokenizer
 
 if TYPE_CHECKING:
@@ -117,30 +121,94 @@ class Scheduler:
             # output when the next schedule hands it this id.
             self.encoder_cache.free(request.request_id)
             request.cross_kv_written = True
-        for request, token_id, logprob in zip(scheduler_output.scheduled, sampled.token_ids, sampled.logprobs):
+        for index, (request, token_id, logprob) in enumerate(
+            zip(scheduler_output.scheduled, sampled.token_ids, sampled.logprobs)
+        ):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = request.num_tokens
+            if sampled.no_speech_probs and sampled.no_speech_probs[index] is not None:
+                request.no_speech_prob = sampled.no_speech_probs[index]
             if request.needs_language:
                 request.needs_language = False
                 request.language = self.tokenizer.language_of(token_id)
                 request.language_prob = math.exp(logprob)
-                request.prompt_token_ids.extend(self.tokenizer.task_tokens(request.language, request.task))
+                request.prompt_token_ids.extend(
+                    self.tokenizer.task_tokens(request.language, request.task, request.sampling_params.timestamps)
+                )
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
                 continue
             request.output_token_ids.append(token_id)
             request.output_logprobs.append(logprob)
+            if request.sampling_params.word_timestamps:
+                request.alignment_scores.append(sampled.alignment_scores[index])
             if token_id == self.tokenizer.special.eot:
-                self._finish(request, RequestStatus.FINISHED, "stop")
+                outputs.append(self._complete(request, "stop"))
             elif len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
-                self._finish(request, RequestStatus.FINISHED, "length")
-            outputs.append(
-                RequestOutput(
-                    request.request_id, [token_id], [logprob], request.status.is_done,
-                    request.finish_reason, request.language,
+                outputs.append(self._complete(request, "length"))
+            else:
+                outputs.append(
+                    RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)
                 )
-            )
         return outputs
+
+    def _complete(self, request: Request, reason: str) -> RequestOutput:
+        """A decode ended: retry it at the next fallback temperature, or finish the request
+        with the attempt worth keeping."""
+        params = request.sampling_params
+        tokens, logprobs = request.output_token_ids, request.output_logprobs
+        summary = summarize(
+            tokens, logprobs, self.tokenizer.decode(tokens), request.temperature, request.no_speech_prob,
+            self.tokenizer.special.eot,
+        )
+        attempt = Attempt(tokens, logprobs, summary, request.alignment_scores, reason)
+        if request.fallback_temperatures and needs_fallback(summary, params):
+            request.attempts.append(attempt)
+            self._retry(request)
+            return RequestOutput(request.request_id, [], [], False, None, request.language, restarted=True)
+
+        attempts = [*request.attempts, attempt]
+        chosen = attempt if len(attempts) == 1 else pick_attempt(attempts, params)
+        summary = chosen.summary
+        summary.num_attempts = len(attempts)
+        summary.no_speech = is_silence(summary, params)
+        if params.word_timestamps:
+            summary.token_times = self._token_times(chosen, len(request.audio))
+        self._finish(request, RequestStatus.FINISHED, chosen.finish_reason)
+        if chosen is attempt:  # the tokens already sent stand; this adds the last one
+            return RequestOutput(
+                request.request_id, tokens[-1:], logprobs[-1:], True, chosen.finish_reason, request.language,
+                summary=summary,
+            )
+        return RequestOutput(
+            request.request_id, chosen.token_ids, chosen.logprobs, True, chosen.finish_reason, request.language,
+            restarted=True, summary=summary,
+        )
+
+    def _retry(self, request: Request) -> None:
+        """Decodes again at the next temperature over the same cross-attention K/V and prompt
+        K/V: the last prompt token is recomputed to get its logits back."""
+        request.temperature = request.fallback_temperatures.pop(0)
+        request.output_token_ids = []
+        request.output_logprobs = []
+        request.alignment_scores = []
+        num_prompt = len(request.prompt_token_ids)
+        self.block_manager.trim(request, num_prompt)
+        request.num_computed_tokens = num_prompt - 1
+
+    def _token_times(self, attempt: Attempt, num_samples: int) -> list[float]:
+        """Times of the text tokens and of the end: the rows of the text tokens and of
+        <|endoftext|> (which marks where the last word ends); without one, the audio's end."""
+        eot = self.tokenizer.special.eot
+        rows = [i for i, token in enumerate(attempt.token_ids) if token <= eot]
+        ends_with_eot = bool(attempt.token_ids) and attempt.token_ids[-1] == eot
+        if not rows:
+            return []
+        scores = torch.stack([attempt.alignment_scores[i] for i in rows])
+        times = token_times(scores, num_samples)
+        if not ends_with_eot:
+            times.append(num_samples / SAMPLE_RATE)
+        return times
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -23,6 +23,7 @@ from asrserve.config import DEFAULT_MODEL, EngineConfig, ServerConfig
 from asrserve.engine.async_client import AsyncEngineClient, EngineDeadError
 from asrserve.engine.request import SamplingParams
 from asrserve.engine.request_checks import check_language
+from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
 from asrserve.entrypoints.metrics import ServerMetrics
 from asrserve.entrypoints.preprocess import PreprocessPool, default_preprocess_workers
 from asrserve.entrypoints.protocol import (
@@ -33,6 +34,7 @@ from asrserve.entrypoints.protocol import (
     usage_duration,
     validation_error,
 )
+from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.transcription import TranscriptionJob
 from asrserve.entrypoints.upload import ClientGone, read_form
 from asrserve.errors import InvalidRequestError
@@ -230,18 +232,7 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         params = TranscriptionRequest.from_form(form.fields)
         _check_model_name(params.model, state)
-        if params.response_format in TIMESTAMPED_FORMATS:
-            raise APIError(
-                400, f"response_format {params.response_format!r} needs segment timestamps, which this version "
-                "of asrserve does not produce yet; use json or text", param="response_format",
-            )
-        if params.timestamp_granularities:
-            raise APIError(
-                400, "timestamp_granularities[] needs response_format=verbose_json, which this version of asrserve "
-                "does not produce yet", param="timestamp_granularities",
-            )
-        if params.prompt:
-            raise APIError(400, "prompt is not supported by this version of asrserve yet", param="prompt")
+        _check_format(params)
         try:
             language = check_language(state.tokenizer, state.model_name, params.language, task)
         except InvalidRequestError as error:
@@ -253,6 +244,18 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
             waiting.release()
 
 
+def _check_format(params: TranscriptionRequest) -> None:
+    if params.stream and params.response_format in TIMESTAMPED_FORMATS:
+        raise APIError(
+            400, f"response_format {params.response_format!r} is not available with stream=true: streaming sends "
+            "text deltas; use json or text, or stream=false", param="stream",
+        )
+    if "word" in params.timestamp_granularities and params.response_format != "verbose_json":
+        raise APIError(
+            400, "timestamp_granularities[]=word needs response_format=verbose_json", param="timestamp_granularities",
+        )
+
+
 class _JobParams:
     def __init__(self, language: str | None, task: str, params: TranscriptionRequest, endpoint: str, arrival: float):
         self.language = language
@@ -260,8 +263,11 @@ class _JobParams:
         self.request = params
         self.endpoint = endpoint
         self.arrival = arrival
-        self.sampling = SamplingParams(
-            temperature=params.temperature, seed=params.seed, max_tokens=params.max_completion_tokens
+        self.timestamps = params.response_format in TIMESTAMPED_FORMATS
+        self.words = "word" in params.timestamp_granularities
+        self.sampling = SamplingParams.transcription(
+            params.temperature, decode_once=params.stream, seed=params.seed, max_tokens=params.max_completion_tokens,
+            timestamps=self.timestamps, word_timestamps=self.words,
         )
 
 
@@ -291,7 +297,7 @@ async def _transcribe(state: ServerState, audio: bytearray, job_params: _JobPara
     try:
         job = TranscriptionJob(
             state.engine, state.tokenizer, prepared, job_params.language, job_params.task, job_params.sampling,
-            job_params.request.max_completion_tokens,
+            job_params.request.max_completion_tokens, job_params.request.prompt,
         )
     except EngineDeadError as error:
         raise _engine_dead(error) from None
@@ -318,9 +324,24 @@ async def _transcribe(state: ServerState, audio: bytearray, job_params: _JobPara
     finally:
         job.abort()
     _record_job(state, job, job_params)
-    if job_params.request.response_format == "text":
+    return _render(state, job, job_params, text)
+
+
+def _render(state: ServerState, job: TranscriptionJob, job_params: _JobParams, text: str) -> Response:
+    response_format = job_params.request.response_format
+    if response_format == "text":
         return PlainTextResponse(text + "\n")
-    return JSONResponse({"text": text, "usage": usage_duration(job.duration_s)})
+    if response_format == "json":
+        return JSONResponse({"text": text, "usage": usage_duration(job.duration_s)})
+    segments = build_segments(state.tokenizer, job.pieces, job.language, words=job_params.words)
+    if response_format == "srt":
+        return Response(to_srt(segments), media_type=CONTENT_TYPES["srt"])
+    if response_format == "vtt":
+        return Response(to_vtt(segments), media_type=CONTENT_TYPES["vtt"])
+    return JSONResponse(
+        to_verbose_json(job_params.task, job.language, job.duration_s, text, segments, job_params.words,
+                        usage_duration(job.duration_s))
+    )
 
 
 class _CleanupStreamingResponse(StreamingResponse):

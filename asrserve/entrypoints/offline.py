@@ -20,8 +20,9 @@ from asrserve.config import (
 )
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
+from asrserve.entrypoints.pieces import PieceResult, transcript_text
+from asrserve.entrypoints.segments import Segment, Word, build_segments
 from asrserve.errors import InvalidRequestError
-from asrserve.model.languages import NO_SPACE_LANGUAGES
 
 
 @dataclass
@@ -33,6 +34,13 @@ class Transcription:
     avg_logprob: float | None = None
     source: str | None = None  # the file name, when the input was a file
     error: str | None = None  # why this input produced no transcript (errors="return")
+    # With timestamps=True: the segments (with their words if word_timestamps=True).
+    segments: list[Segment] | None = None
+    pieces: list[PieceResult] = field(default_factory=list, repr=False)
+
+    @property
+    def words(self) -> list[Word]:
+        return [word for segment in self.segments or [] for word in segment.words]
 
 
 @dataclass
@@ -42,9 +50,7 @@ class _Job:
     index: int
     source: str | None
     duration: float = 0.0
-    pieces: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    languages: list[str | None] = field(default_factory=list)
+    pieces: list[PieceResult] = field(default_factory=list)
     remaining: int = 0
     error: str | None = None
 
@@ -91,18 +97,27 @@ class ASR:
         max_tokens: int | None = None,
         errors: str = "raise",
         progress: bool = False,
+        timestamps: bool = False,
+        word_timestamps: bool = False,
+        prompt: str | None = None,
+        fallback: bool = True,
     ) -> list[Transcription]:
         """Transcribes one input or many (paths, encoded bytes, or 16 kHz float arrays).
 
         Audio longer than 30 s is cut at quiet points and its pieces transcribed together.
         errors="raise" raises AudioError / InvalidRequestError for the first bad input before
         anything runs; errors="return" gives that input a Transcription with `error` set.
+        timestamps: decode with timestamp tokens and return segments; word_timestamps: also
+        time each word (implies timestamps). prompt: text that came before the audio.
+        fallback: at temperature 0, retry pieces that fail Whisper's checks at higher
+        temperatures and drop pieces judged silence (OpenAI's semantics); False decodes once.
         """
         sources = [audio] if _is_single(audio) else list(audio)
         results: list[Transcription | None] = [None] * len(sources)
         for index, transcription in self.transcribe_iter(
             sources, language=language, task=task, temperature=temperature, seed=seed,
-            max_tokens=max_tokens, errors=errors, progress=progress,
+            max_tokens=max_tokens, errors=errors, progress=progress, timestamps=timestamps,
+            word_timestamps=word_timestamps, prompt=prompt, fallback=fallback,
         ):
             results[index] = transcription
         return results  # type: ignore[return-value]
@@ -119,13 +134,21 @@ class ASR:
         errors: str = "raise",
         progress: bool = False,
         max_in_flight: int | None = None,
+        timestamps: bool = False,
+        word_timestamps: bool = False,
+        prompt: str | None = None,
+        fallback: bool = True,
     ) -> Iterator[tuple[int, Transcription]]:
         """Yields (input index, transcription) as each input completes. Inputs are decoded
         lazily, keeping at most max_in_flight pieces queued, so a long list of files never
         sits in memory at once."""
         if errors not in ("raise", "return"):
             raise ValueError("errors must be 'raise' or 'return'")
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+        timestamps = timestamps or word_timestamps
+        params = SamplingParams.transcription(
+            temperature, decode_once=not fallback, seed=seed, max_tokens=max_tokens, timestamps=timestamps,
+            word_timestamps=word_timestamps,
+        )
         language = self.engine.check_language(language, task)
         max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
         engine = self.engine
@@ -145,13 +168,14 @@ class ASR:
                 return job
             job.duration = len(samples) / SAMPLE_RATE
             pieces = split_audio(samples)
-            job.pieces = [[] for _ in pieces]
-            job.logprobs = [[] for _ in pieces]
-            job.languages = [language] * len(pieces)
+            job.pieces = [
+                PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
+                for piece in pieces
+            ]
             job.remaining = len(pieces)
             for piece_index, piece in enumerate(pieces):
                 request_id = f"offline-{next(self._next_id)}"
-                engine.add_request(request_id, piece.samples, language, task, params)
+                engine.add_request(request_id, piece.samples, language, task, params, prompt)
                 jobs_by_request[request_id] = (job, piece_index)
             return job
 
@@ -167,16 +191,13 @@ class ASR:
                     if job.remaining == 0:
                         if bar is not None:
                             bar.update(1)
-                        yield job.index, self._finish(job)
+                        yield job.index, self._finish(job, timestamps)
                     in_flight += job.remaining
                 if not engine.has_work():
                     break
                 for output in engine.step():
                     job, piece_index = jobs_by_request[output.request_id]
-                    job.pieces[piece_index].extend(output.new_token_ids)
-                    job.logprobs[piece_index].extend(output.new_logprobs)
-                    if output.language is not None:
-                        job.languages[piece_index] = output.language
+                    job.pieces[piece_index].add(output)
                     if output.finished:
                         del jobs_by_request[output.request_id]
                         in_flight -= 1
@@ -184,7 +205,7 @@ class ASR:
                         if job.remaining == 0:
                             if bar is not None:
                                 bar.update(1)
-                            yield job.index, self._finish(job)
+                            yield job.index, self._finish(job, timestamps)
         finally:
             for request_id in list(jobs_by_request):  # the caller stopped early: free everything
                 engine.abort(request_id)
@@ -193,21 +214,25 @@ class ASR:
             if bar is not None:
                 bar.close()
 
-    def _finish(self, job: _Job) -> Transcription:
+    def _finish(self, job: _Job, timestamps: bool) -> Transcription:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
-        language = next((lang for lang in job.languages if lang), None)
-        separator = "" if language in NO_SPACE_LANGUAGES else " "
-        texts = [self.tokenizer.decode(tokens).strip() for tokens in job.pieces]
-        all_tokens = [t for tokens in job.pieces for t in tokens]
-        all_logprobs = [lp for logprobs in job.logprobs for lp in logprobs]
+        language = next((piece.language for piece in job.pieces if piece.language), None)
+        spoken = [piece for piece in job.pieces if not piece.is_silence]
+        all_logprobs = [lp for piece in spoken for lp in piece.logprobs]
+        segments = None
+        if timestamps:
+            word_timestamps = any(p.summary and p.summary.token_times is not None for p in spoken)
+            segments = build_segments(self.tokenizer, job.pieces, language, words=word_timestamps)
         return Transcription(
-            text=separator.join(t for t in texts if t),
+            text=transcript_text(self.tokenizer, job.pieces, language),
             language=language,
             duration=job.duration,
-            token_ids=all_tokens,
+            token_ids=[t for piece in spoken for t in piece.token_ids],
             avg_logprob=sum(all_logprobs) / len(all_logprobs) if all_logprobs else None,
             source=job.source,
+            segments=segments,
+            pieces=job.pieces,
         )
 
 
@@ -221,4 +246,4 @@ def _progress_bar(total: int):
     return tqdm(total=total, unit="file", desc="transcribing", dynamic_ncols=True)
 
 
-__all__ = ["ASR", "Transcription", "AudioError", "InvalidRequestError"]
+__all__ = ["ASR", "Transcription", "Segment", "Word", "AudioError", "InvalidRequestError"]

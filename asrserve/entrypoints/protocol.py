@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
-# Formats that need segment timestamps, which the engine does not produce yet.
+# Formats built from segment timestamps (the model decodes with timestamp tokens for them).
 TIMESTAMPED_FORMATS = ("srt", "verbose_json", "vtt")
 
 

@@ -11,7 +11,7 @@ for faster kernels.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,29 @@ class GatherBuffers:
 
 
 @dataclass
+class AlignmentQuery:
+    """Word timestamps: the cross-attention scores of the alignment heads for the last token
+    of some requests, filled in by the layers that have such heads."""
+
+    token_rows: torch.Tensor  # [num_aligned] flat-batch row of each aligned request's last token
+    cross_block_tables: torch.Tensor  # [num_aligned, cross_blocks]
+    heads_by_layer: dict[int, torch.Tensor]  # layer index -> head indices
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [num_aligned, heads, 1500]
+
+
+def alignment_scores(
+    query: torch.Tensor, layer_cache: torch.Tensor, alignment: AlignmentQuery, heads: torch.Tensor, cross_len: int
+) -> torch.Tensor:
+    """Pre-softmax q.k / sqrt(head_dim) of the given heads over each aligned request's encoder
+    positions: [num_aligned, heads, cross_len]."""
+    queries = query.index_select(0, alignment.token_rows).index_select(1, heads)  # [A, h, d]
+    num_aligned = queries.shape[0]
+    keys = layer_cache[0].index_select(0, alignment.cross_block_tables.flatten())  # [A * nb, bs, H, d]
+    keys = keys.view(num_aligned, -1, *keys.shape[-2:])[:, :cross_len].index_select(2, heads)  # [A, K, h, d]
+    return torch.einsum("ahd,akhd->ahk", queries.float(), keys.float()) / math.sqrt(queries.shape[-1])
+
+
+@dataclass
 class AttentionMetadata:
     """Where one decoder step's tokens read and write the KV pool; shared by all layers."""
 
@@ -51,6 +74,7 @@ class AttentionMetadata:
     # None when every request has exactly one new token (pure decode)
     padded_index: torch.Tensor | None
     gather_buffers: GatherBuffers
+    alignment: AlignmentQuery | None = None
 
 
 def write_kv(

@@ -17,6 +17,7 @@ from asrserve.config import N_FRAMES, EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler import SchedulerOutput
 from asrserve.model.attention import (
+    AlignmentQuery,
     AttentionMetadata,
     GatherBuffers,
     build_self_attn_mask,
@@ -40,12 +41,30 @@ def _keep_freed_memory_mapped() -> None:
     libc.mallopt(M_TOP_PAD, 1 << 30)
 
 
+def alignment_heads_by_layer(
+    heads: list[tuple[int, int]], dims, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """The checkpoint's alignment heads ([layer, head] pairs) as layer -> head indices. Without
+    a list, every head of the decoder's second half, as openai/whisper defaults."""
+    if not heads:
+        second_half = range(dims.n_text_layer // 2, dims.n_text_layer)
+        heads = [(layer, head) for layer in second_half for head in range(dims.n_text_head)]
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in sorted({(int(layer), int(head)) for layer, head in heads}):
+        if 0 <= layer < dims.n_text_layer and 0 <= head < dims.n_text_head:
+            by_layer.setdefault(layer, []).append(head)
+    return {layer: torch.tensor(h, dtype=torch.long, device=device) for layer, h in by_layer.items()}
+
+
 @dataclass
 class DecoderInputs:
     input_ids: torch.Tensor  # [padded tokens]
     positions: torch.Tensor  # [padded tokens]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [padded requests] row of each request's last token
+    # (request index, flat row) of each <|startoftranscript|> whose no_speech_prob is due
+    no_speech_rows: list[tuple[int, int]]
+    aligned_requests: list[int]  # request indices in metadata.alignment's order
 
 
 class ModelRunner:
@@ -62,8 +81,11 @@ class ModelRunner:
             loaded.generation.begin_suppress_tokens,
             list(loaded.tokenizer.special.language_ids.values()),
             self.dims.n_vocab,
+            loaded.tokenizer.special,
             device,
         )
+        self.no_speech_token = loaded.tokenizer.special.no_speech
+        self.alignment_heads = alignment_heads_by_layer(loaded.generation.alignment_heads, self.dims, device)
         self.num_cross_blocks = math.ceil(self.dims.n_audio_ctx / self.block_size)
         self.num_kv_blocks = self._num_kv_blocks(config)
         head_dim = self.dims.n_text_state // self.dims.n_text_head
@@ -129,10 +151,36 @@ class ModelRunner:
             self._write_cross_kv(scheduler_output.encoder_requests)
         if not scheduler_output.scheduled:
             return SamplerOutput([], [])
-        inputs = self._prepare_decoder_inputs(scheduler_output.scheduled)
+        requests = scheduler_output.scheduled
+        inputs = self._prepare_decoder_inputs(requests)
         hidden = self.model.decoder(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         logits = self.model.decoder.compute_logits(hidden[inputs.logits_indices])
-        return self.sampler(logits[: len(scheduler_output.scheduled)], scheduler_output.scheduled)
+        no_speech_probs = self._no_speech_probs(hidden, inputs.no_speech_rows, len(requests))
+        sampled = self.sampler(logits[: len(requests)], requests)
+        sampled.no_speech_probs = no_speech_probs
+        sampled.alignment_scores = self._alignment_scores(inputs, len(requests))
+        return sampled
+
+    def _no_speech_probs(self, hidden: torch.Tensor, rows: list[tuple[int, int]], num_requests: int) -> list:
+        """P(<|nospeech|>) from the unfiltered logits at <|startoftranscript|>, as Whisper reads it."""
+        probs: list[float | None] = [None] * num_requests
+        if rows:
+            flat_rows = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
+            logits = self.model.decoder.compute_logits(hidden[flat_rows])
+            values = torch.softmax(logits, dim=-1)[:, self.no_speech_token].tolist()
+            for (index, _), value in zip(rows, values):
+                probs[index] = value
+        return probs
+
+    def _alignment_scores(self, inputs: DecoderInputs, num_requests: int) -> list:
+        scores: list[torch.Tensor | None] = [None] * num_requests
+        alignment = inputs.metadata.alignment
+        if alignment is not None:
+            # [aligned requests, all alignment heads, 1500], heads in layer order
+            stacked = torch.cat([alignment.scores[layer] for layer in sorted(alignment.scores)], dim=1)
+            for index, row in zip(inputs.aligned_requests, stacked):
+                scores[index] = row
+        return scores
 
     def _run_encoder(self, requests: list[Request]) -> None:
         """One encoder forward for all new audios: [N, n_mels, 3000] -> [N, 1500, d]."""
@@ -156,8 +204,11 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
-        for request in requests:
+        no_speech_rows: list[tuple[int, int]] = []
+        for index, request in enumerate(requests):
             start, end = request.num_computed_tokens, request.num_tokens
+            if request.no_speech_prob is None and start <= request.sot_index < end:
+                no_speech_rows.append((index, len(token_ids) + request.sot_index - start))
             token_ids.extend(request.token_ids_from(start))
             positions.extend(range(start, end))
             query_lens.append(end - start)
@@ -200,11 +251,22 @@ class ModelRunner:
         )
         padded_tokens = self._padded_size(num_tokens)
         last_token_rows = np.cumsum(query_lens) - 1
+        # Word timestamps: the alignment heads' scores where each aligned request samples (not
+        # on a language-detection step, which samples no output token).
+        aligned = [i for i, r in enumerate(requests) if r.sampling_params.word_timestamps and not r.needs_language]
+        if aligned:
+            metadata.alignment = AlignmentQuery(
+                token_rows=self._tensor(last_token_rows[aligned]),
+                cross_block_tables=self._tensor(cross_tables[aligned]),
+                heads_by_layer=self.alignment_heads,
+            )
         return DecoderInputs(
             input_ids=self._tensor(np.pad(np.asarray(token_ids), (0, padded_tokens - num_tokens))),
             positions=self._tensor(np.pad(flat_positions, (0, padded_tokens - num_tokens))),
             metadata=metadata,
             logits_indices=self._tensor(np.pad(last_token_rows, (0, self._padded_size(num_seqs) - num_seqs))),
+            no_speech_rows=no_speech_rows,
+            aligned_requests=aligned,
         )
 
     def _padded_size(self, rows: int) -> int:

@@ -6,7 +6,7 @@ Each rule is a small class with one method, applied to the whole batch at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,10 @@ class SamplerOutput:
     # log-probability of each chosen token under the rule-filtered distribution (no
     # temperature), as Whisper's avg_logprob uses; language rows: among language tokens only
     logprobs: list[float]
+    # Per request, when this step computed them: P(<|nospeech|>) at <|startoftranscript|>, and
+    # the alignment heads' cross-attention scores [heads, 1500] of the sampling position.
+    no_speech_probs: list[float | None] = field(default_factory=list)
+    alignment_scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class SuppressTokens:
@@ -56,6 +60,69 @@ class OnlyLanguages:
             logits[rows] = logits[rows].masked_fill(self.not_language, float("-inf"))
 
 
+class TimestampRules:
+    """openai/whisper's timestamp rules for requests decoding with timestamps:
+    - <|notimestamps|> is never sampled;
+    - the first token is a timestamp of at most 1.0 s;
+    - timestamps come in pairs: after a lone closing timestamp only another timestamp or
+      <|endoftext|> may follow, after a pair only text;
+    - timestamps never decrease, and a segment (opening to closing timestamp) is never empty;
+    - when the timestamp tokens together are likelier than the likeliest text token, a
+      timestamp is forced.
+    The per-request state (last two tokens, last timestamp) is read in Python; the masks are
+    built and applied for all timestamp rows at once."""
+
+    MAX_INITIAL_TIMESTAMP_INDEX = 50  # 1.0 s in 0.02 s steps
+
+    def __init__(self, eot: int, timestamp_begin: int, vocab_size: int, device: torch.device):
+        self.eot = eot
+        self.timestamp_begin = timestamp_begin
+        self.vocab = torch.arange(vocab_size, device=device)
+        self.device = device
+
+    def limits(self, tokens: list[int]) -> tuple[int, bool, int, int]:
+        """For one request's sampled tokens: (text tokens below this id are banned, all
+        timestamps banned, lowest allowed timestamp id, highest allowed timestamp id)."""
+        begin = self.timestamp_begin
+        last_allowed = len(self.vocab) - 1
+        if not tokens:
+            return begin, False, begin, begin + self.MAX_INITIAL_TIMESTAMP_INDEX
+        last_was_timestamp = tokens[-1] >= begin
+        penultimate_was_timestamp = len(tokens) < 2 or tokens[-2] >= begin
+        text_banned_below, timestamps_banned = 0, False
+        if last_was_timestamp:
+            if penultimate_was_timestamp:
+                timestamps_banned = True  # a segment just opened: text must follow
+            else:
+                text_banned_below = self.eot  # a segment just closed: a timestamp or the end
+        last_timestamp = next((t for t in reversed(tokens) if t >= begin), None)
+        lowest = begin
+        if last_timestamp is not None:
+            # Never decreasing; a segment opening right after a close may reuse its time.
+            lowest = last_timestamp if last_was_timestamp and not penultimate_was_timestamp else last_timestamp + 1
+        return text_banned_below, timestamps_banned, lowest, last_allowed
+
+    def apply(self, logits: torch.Tensor, rows: list[int], sampled: list[list[int]]) -> None:
+        if not rows:
+            return
+        limits = torch.tensor([self.limits(tokens) for tokens in sampled], dtype=torch.long, device=self.device)
+        text_below, timestamps_banned, lowest, highest = limits.T
+        vocab = self.vocab[None, :]
+        is_timestamp = vocab >= self.timestamp_begin
+        # Control tokens (<|startoftranscript|> ... <|notimestamps|>) never belong in the output.
+        banned = (vocab < text_below[:, None]) | ((vocab > self.eot) & ~is_timestamp)
+        out_of_range = (vocab < lowest[:, None]) | (vocab > highest[:, None])
+        banned |= is_timestamp & (timestamps_banned[:, None].bool() | out_of_range)
+        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        filtered = logits[row_index].masked_fill(banned, float("-inf"))
+
+        logprobs = torch.log_softmax(filtered, dim=-1)
+        timestamp_logprob = torch.logsumexp(logprobs[:, self.timestamp_begin :], dim=-1)
+        max_text_logprob = logprobs[:, : self.timestamp_begin].max(dim=-1).values
+        force_timestamp = (timestamp_logprob > max_text_logprob)[:, None] & ~is_timestamp
+        logits[row_index] = filtered.masked_fill(force_timestamp, float("-inf"))
+
+
 class Sampler:
     def __init__(
         self,
@@ -63,9 +130,11 @@ class Sampler:
         begin_suppress_tokens: list[int],
         language_ids: list[int],
         vocab_size: int,
+        special,
         device: torch.device,
     ):
         self.device = device
+        self.timestamp_rules = TimestampRules(special.eot, special.timestamp_begin, vocab_size, device)
         self.suppress_tokens = SuppressTokens(suppress_tokens, device)
         self.suppress_blank = SuppressBlank(begin_suppress_tokens, device)
         self.only_languages = OnlyLanguages(language_ids, vocab_size, device)
@@ -77,11 +146,13 @@ class Sampler:
         self.suppress_tokens.apply(logits)
         self.suppress_blank.apply(logits, self._rows(first_rows))
         self.only_languages.apply(logits, self._rows(language_rows))
+        timestamp_rows = [i for i, r in enumerate(requests) if r.sampling_params.timestamps and not r.needs_language]
+        self.timestamp_rules.apply(logits, timestamp_rows, [requests[i].output_token_ids for i in timestamp_rows])
 
         logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = logits.argmax(dim=-1)
         for i, request in enumerate(requests):
-            temperature = request.sampling_params.temperature
+            temperature = request.temperature
             if temperature > 0 and not request.needs_language:
                 probs = torch.softmax(logits[i] / temperature, dim=-1)
                 token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request)).squeeze(0)
@@ -92,11 +163,16 @@ class Sampler:
         return torch.tensor(list(rows), dtype=torch.long, device=self.device)
 
     def _generator(self, request: Request) -> torch.Generator:
-        """Each sampling request draws from its own generator, seeded by its seed (or a random
-        one), so what it samples does not depend on what else is in the batch. The request
+        """Each sampling request draws from its own generator, seeded by its seed, so what it
+        samples does not depend on what else is in the batch. The request
         carries it, so it lives exactly as long as the request."""
         if request.generator is None:
-            seed = request.sampling_params.seed
+            params = request.sampling_params
+            seed = params.seed
+            if seed is None:
+                # Temperature 0 samples only in fallback retries: a fixed seed keeps a greedy
+                # request reproducible. An explicit temperature without a seed is random.
+                seed = 0 if params.temperature == 0 else int(torch.randint(2**62, ()).item())
             request.generator = torch.Generator(device=self.device)
-            request.generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
+            request.generator.manual_seed(seed)
         return request.generator

@@ -17,6 +17,9 @@ from tokenizers import Tokenizer
 from asrserve.model.languages import LANGUAGES
 
 NUM_TIMESTAMP_TOKENS = 1501  # <|0.00|> ... <|30.00|> in steps of 0.02 s
+SECONDS_PER_TIMESTAMP = 0.02
+# A prompt (<|startofprev|> text) keeps its last half-context less one tokens, as Whisper does.
+MAX_PROMPT_TOKENS = 223
 ENGLISH_EOT = 50256  # the GPT-2 vocabulary's <|endoftext|>; multilingual models have one more
 
 
@@ -104,19 +107,33 @@ class WhisperTokenizer:
         """Text of the ordinary tokens; special and timestamp tokens are dropped."""
         return self.tokenizer.decode([t for t in token_ids if t < self.special.eot], skip_special_tokens=True)
 
-    def sot_sequence(self, language: str | None, task: str) -> list[int]:
-        """The decoder prompt. English-only models take <|startoftranscript|><|notimestamps|>;
-        multilingual ones add language and task tokens (without a language the prompt stops at
-        <|startoftranscript|> and the first step detects it)."""
+    def sot_sequence(
+        self, language: str | None, task: str, timestamps: bool = False, previous_tokens: list[int] | None = None
+    ) -> list[int]:
+        """The decoder prompt: [<|startofprev|> previous text] <|startoftranscript|> [language,
+        task] [<|notimestamps|>]. English-only models take no language or task token; without a
+        language the prompt stops at <|startoftranscript|> and the first step detects it. With
+        timestamps the model writes <|t|> tokens around each segment instead."""
+        prefix = [self.special.sot_prev, *previous_tokens[-MAX_PROMPT_TOKENS:]] if previous_tokens else []
         if not self.is_multilingual:
-            return [self.special.sot, self.special.no_timestamps]
+            return [*prefix, self.special.sot, *([] if timestamps else [self.special.no_timestamps])]
         if language is None:
-            return [self.special.sot]
-        return [self.special.sot, *self.task_tokens(language, task)]
+            return [*prefix, self.special.sot]
+        return [*prefix, self.special.sot, *self.task_tokens(language, task, timestamps)]
 
-    def task_tokens(self, language: str, task: str) -> list[int]:
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        """A user's prompt as previous text: one leading space, as if it preceded the audio."""
+        return self.encode(" " + prompt.strip())
+
+    def task_tokens(self, language: str, task: str, timestamps: bool = False) -> list[int]:
         task_id = self.special.translate if task == "translate" else self.special.transcribe
-        return [self.special.language_ids[language], task_id, self.special.no_timestamps]
+        return [self.special.language_ids[language], task_id, *([] if timestamps else [self.special.no_timestamps])]
+
+    def is_timestamp(self, token_id: int) -> bool:
+        return token_id >= self.special.timestamp_begin
+
+    def timestamp_seconds(self, token_id: int) -> float:
+        return (token_id - self.special.timestamp_begin) * SECONDS_PER_TIMESTAMP
 
     def language_of(self, token_id: int) -> str:
         return self._language_by_id[token_id]

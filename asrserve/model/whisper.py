@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from asrserve.model.attention import AttentionMetadata, alignment_scores, paged_attention, write_kv
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ class DecoderCrossAttention(nn.Module):
         self.q_proj = nn.Linear(d_model, d_model)
         self.kv_proj = nn.Linear(d_model, 2 * d_model)  # k's half of the bias stays zero
         self.out_proj = nn.Linear(d_model, d_model)
+        self.layer_index = 0
 
     def write_cross_kv(self, encoder_out: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Computes K/V of [N, 1500, d] encoder outputs once and stores them in their blocks."""
@@ -128,6 +129,9 @@ class DecoderCrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = metadata.num_tokens
         q = self.q_proj(x[:num_tokens]).view(num_tokens, self.num_heads, -1)
+        alignment = metadata.alignment
+        if alignment is not None and (heads := alignment.heads_by_layer.get(self.layer_index)) is not None:
+            alignment.scores[self.layer_index] = alignment_scores(q, layer_cache, alignment, heads, metadata.cross_len)
         out = paged_attention(q, layer_cache, metadata.cross_block_tables, metadata, key_len=metadata.cross_len)
         return self.out_proj(_pad_rows(out, x.shape[0]))
 
@@ -161,6 +165,8 @@ class TextDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(dims.n_vocab, d_model)
         self.embed_positions = nn.Parameter(torch.empty(dims.n_text_ctx, d_model), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(d_model, dims.n_text_head) for _ in range(dims.n_text_layer))
+        for index, layer in enumerate(self.layers):
+            layer.encoder_attn.layer_index = index  # which alignment heads are its own
         self.layer_norm = nn.LayerNorm(d_model)
 
     def forward(

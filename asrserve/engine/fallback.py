@@ -1,0 +1,62 @@
+"""Judging a finished decode of one piece, as openai/whisper's transcribe() does: is it too
+repetitive or too unlikely (retry at the next temperature), is it silence (drop its text), and
+which attempt to keep when every temperature failed."""
+
+from __future__ import annotations
+
+import zlib
+
+from asrserve.engine.request import Attempt, DecodeSummary, SamplingParams
+
+
+def compression_ratio(text: str) -> float:
+    """Bytes of the text over bytes of its zlib compression: looping text compresses well."""
+    data = text.encode("utf-8")
+    if not data:
+        return 0.0
+    return len(data) / len(zlib.compress(data))
+
+
+def summarize(
+    token_ids: list[int], logprobs: list[float], text: str, temperature: float, no_speech_prob: float | None, eot: int
+) -> DecodeSummary:
+    """avg_logprob as openai/whisper computes it: every sampled token's logprob (timestamps and
+    <|endoftext|> included) over the number of tokens before <|endoftext|>, plus one."""
+    num_tokens = len(token_ids) - (1 if token_ids and token_ids[-1] == eot else 0)
+    return DecodeSummary(
+        temperature=temperature,
+        avg_logprob=sum(logprobs) / (num_tokens + 1),
+        compression_ratio=compression_ratio(text),
+        no_speech_prob=no_speech_prob,
+        no_speech=False,
+        num_attempts=1,
+    )
+
+
+def _unlikely(summary: DecodeSummary, params: SamplingParams) -> bool:
+    return params.logprob_threshold is not None and summary.avg_logprob < params.logprob_threshold
+
+
+def is_silence(summary: DecodeSummary, params: SamplingParams) -> bool:
+    """Whisper thinks nothing was said, and what it wrote is unlikely: drop the text."""
+    return (
+        params.no_speech_threshold is not None
+        and summary.no_speech_prob is not None
+        and summary.no_speech_prob > params.no_speech_threshold
+        and _unlikely(summary, params)
+    )
+
+
+def needs_fallback(summary: DecodeSummary, params: SamplingParams) -> bool:
+    threshold = params.compression_ratio_threshold
+    too_repetitive = threshold is not None and summary.compression_ratio > threshold
+    # Silence is not retried: another temperature would only invent other words.
+    return (too_repetitive or _unlikely(summary, params)) and not is_silence(summary, params)
+
+
+def pick_attempt(attempts: list[Attempt], params: SamplingParams) -> Attempt:
+    """The attempt to keep once every temperature has been tried: the likeliest of those that
+    are not too repetitive (all of them, if every one is)."""
+    threshold = params.compression_ratio_threshold
+    candidates = [a for a in attempts if threshold is None or a.summary.compression_ratio <= threshold] or attempts
+    return max(candidates, key=lambda attempt: attempt.summary.avg_logprob)

@@ -1,0 +1,82 @@
+"""Transcripts rendered in OpenAI's response formats: verbose_json, srt and vtt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asrserve.entrypoints.segments import Segment
+
+CONTENT_TYPES = {
+    "srt": "application/x-subrip; charset=utf-8",
+    "vtt": "text/vtt; charset=utf-8",
+    "text": "text/plain; charset=utf-8",
+}
+
+
+def format_timestamp(seconds: float, decimal_marker: str) -> str:
+    """HH:MM:SS,mmm (srt) or HH:MM:SS.mmm (vtt)."""
+    milliseconds = max(0, round(seconds * 1000))
+    hours, milliseconds = divmod(milliseconds, 3_600_000)
+    minutes, milliseconds = divmod(milliseconds, 60_000)
+    secs, milliseconds = divmod(milliseconds, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal_marker}{milliseconds:03d}"
+
+
+def _cue_text(segment: Segment) -> str:
+    """One line of cue text: no blank lines (they end a cue) and no '-->' (it starts one)."""
+    return " ".join(segment.text.split()).replace("-->", "->")
+
+
+def to_srt(segments: list[Segment]) -> str:
+    cues = [segment for segment in segments if _cue_text(segment)]
+    return "".join(
+        f"{number}\n{format_timestamp(s.start, ',')} --> {format_timestamp(s.end, ',')}\n{_cue_text(s)}\n\n"
+        for number, s in enumerate(cues, start=1)
+    )
+
+
+def to_vtt(segments: list[Segment]) -> str:
+    cues = "".join(
+        f"{format_timestamp(s.start, '.')} --> {format_timestamp(s.end, '.')}\n{_cue_text(s)}\n\n"
+        for s in segments
+        if _cue_text(s)
+    )
+    return "WEBVTT\n\n" + cues
+
+
+def to_verbose_json(
+    task: str,
+    language: str | None,
+    duration_s: float,
+    text: str,
+    segments: list[Segment],
+    with_words: bool,
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "task": task,
+        "language": language,
+        "duration": round(duration_s, 3),
+        "text": text,
+        "segments": [
+            {
+                "id": s.id,
+                "seek": s.seek,
+                "start": round(s.start, 3),
+                "end": round(s.end, 3),
+                "text": s.text,
+                "tokens": s.tokens,
+                "temperature": s.temperature,
+                "avg_logprob": s.avg_logprob,
+                "compression_ratio": s.compression_ratio,
+                "no_speech_prob": s.no_speech_prob,
+            }
+            for s in segments
+        ],
+    }
+    if with_words:
+        body["words"] = [
+            {"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for s in segments for w in s.words
+        ]
+    body["usage"] = usage
+    return body

@@ -1,0 +1,63 @@
+"""What one audio piece's engine request produced, gathered from its outputs, and the
+transcript text of several pieces joined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asrserve.engine.request import DecodeSummary, RequestOutput
+from asrserve.model.languages import NO_SPACE_LANGUAGES
+from asrserve.model.tokenizer import WhisperTokenizer
+
+
+@dataclass
+class PieceResult:
+    offset_s: float  # where the piece starts in the whole audio
+    duration_s: float
+    token_ids: list[int] = field(default_factory=list)  # sampled tokens, timestamps included
+    logprobs: list[float] = field(default_factory=list)
+    language: str | None = None
+    summary: DecodeSummary | None = None  # once finished
+    finish_reason: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        if output.restarted:  # a temperature fallback: what came before is void
+            self.token_ids.clear()
+            self.logprobs.clear()
+        self.token_ids.extend(output.new_token_ids)
+        self.logprobs.extend(output.new_logprobs)
+        if output.language is not None:
+            self.language = output.language
+        if output.finished:
+            self.summary = output.summary
+            self.finish_reason = output.finish_reason
+
+    @property
+    def is_silence(self) -> bool:
+        return self.summary is not None and self.summary.no_speech
+
+    def truncate_text(self, max_text_tokens: int, eot: int) -> None:
+        """Keeps the tokens up to the max_text_tokens-th text token (max_completion_tokens)."""
+        kept, num_text = [], 0
+        for token in self.token_ids:
+            if token < eot:
+                if num_text == max_text_tokens:
+                    break
+                num_text += 1
+            kept.append(token)
+        del self.token_ids[len(kept):]
+        del self.logprobs[len(kept):]
+
+    def num_text_tokens(self, eot: int) -> int:
+        return sum(1 for token in self.token_ids if token < eot)
+
+
+def separator_for(language: str | None) -> str:
+    return "" if language in NO_SPACE_LANGUAGES else " "
+
+
+def transcript_text(tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None) -> str:
+    """The pieces' texts in order, stripped and joined (by nothing for zh, ja, ...); pieces
+    judged silence contribute nothing."""
+    texts = [tokenizer.decode(piece.token_ids).strip() for piece in pieces if not piece.is_silence]
+    return separator_for(language).join(text for text in texts if text)

@@ -1,0 +1,158 @@
+"""Segments and words from the pieces' timestamped tokens.
+
+A piece's tokens read <|t0|> text <|t1|><|t1'|> text <|t2|> ...: each pair of timestamps
+brackets one segment (times from the piece's start; the piece's offset makes them absolute).
+Text left open at the end (the decode stopped before a closing timestamp) ends with the
+piece. Word times come from the engine's alignment (DecodeSummary.token_times)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asrserve.entrypoints.pieces import PieceResult
+from asrserve.entrypoints.words import split_words
+from asrserve.model.tokenizer import WhisperTokenizer
+
+MIN_DURATION_S = 0.02  # one timestamp step: every segment and word lasts at least this
+SENTENCE_END = ".。!！?？"
+
+
+@dataclass
+class Word:
+    word: str
+    start: float
+    end: float
+
+
+@dataclass
+class Segment:
+    id: int
+    seek: int  # the piece's start in 10 ms mel frames, as openai/whisper reports it
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+    words: list[Word] = field(default_factory=list)
+    text_token_start: int = 0  # index of its first text token among the piece's text tokens
+
+
+def build_segments(
+    tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None, words: bool = False
+) -> list[Segment]:
+    segments: list[Segment] = []
+    for piece in pieces:
+        if piece.is_silence:
+            continue
+        piece_segments = _piece_segments(tokenizer, piece, first_id=len(segments))
+        if words and piece.summary is not None and piece.summary.token_times:
+            _add_words(tokenizer, piece, piece_segments, language)
+        segments.extend(piece_segments)
+    return segments
+
+
+def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: int) -> list[Segment]:
+    """Splits the piece's tokens at its timestamp pairs."""
+    eot = tokenizer.special.eot
+    end_of_piece = piece.duration_s
+    spans: list[tuple[float, float | None, list[int]]] = []  # (start, end or None if left open, tokens)
+    opening: float | None = None
+    tokens: list[int] = []
+    last_time = 0.0
+    for token in piece.token_ids:
+        if tokenizer.is_timestamp(token):
+            time = min(tokenizer.timestamp_seconds(token), end_of_piece)
+            tokens.append(token)
+            if opening is None:
+                opening = time
+            else:
+                spans.append((opening, time, tokens))
+                opening, tokens = None, []
+            last_time = time
+        elif token < eot:
+            if opening is None:  # text without an opening timestamp starts where the last ended
+                opening = last_time
+            tokens.append(token)
+    if opening is not None:
+        spans.append((opening, None, tokens))
+
+    summary = piece.summary
+    segments = []
+    text_token_start = 0
+    for start, end, span_tokens in spans:
+        text_tokens = [t for t in span_tokens if t < eot]
+        if not tokenizer.decode(text_tokens).strip():
+            text_token_start += len(text_tokens)
+            continue
+        start, end = _ordered(start, end_of_piece if end is None else end, end_of_piece)
+        segments.append(
+            Segment(
+                id=first_id + len(segments),
+                seek=round(piece.offset_s * 100),
+                start=piece.offset_s + start,
+                end=piece.offset_s + end,
+                text=tokenizer.decode(text_tokens),
+                tokens=span_tokens,
+                temperature=summary.temperature if summary else 0.0,
+                avg_logprob=summary.avg_logprob if summary else 0.0,
+                compression_ratio=summary.compression_ratio if summary else 0.0,
+                no_speech_prob=(summary.no_speech_prob or 0.0) if summary else 0.0,
+                text_token_start=text_token_start,
+            )
+        )
+        text_token_start += len(text_tokens)
+    return segments
+
+
+def _ordered(start: float, end: float, limit: float) -> tuple[float, float]:
+    """start < end inside [0, limit]: a segment the model closed at its opening time, or placed
+    past the end of the audio, still gets a visible span."""
+    end = min(max(end, start + MIN_DURATION_S), limit)
+    start = max(0.0, min(start, end - MIN_DURATION_S))
+    return start, end
+
+
+def _add_words(tokenizer: WhisperTokenizer, piece: PieceResult, segments: list[Segment], language: str | None) -> None:
+    times = piece.summary.token_times
+    eot = tokenizer.special.eot
+    text_tokens = [t for t in piece.token_ids if t < eot]
+    if len(times) != len(text_tokens) + 1:  # truncated by max_completion_tokens: end at the last kept token
+        times = times[: len(text_tokens)] + [times[min(len(text_tokens), len(times) - 1)]]
+    durations = []
+    for segment in segments:
+        segment_tokens = [t for t in segment.tokens if t < eot]
+        index = segment.text_token_start
+        for text, count in split_words(tokenizer, segment_tokens, language):
+            start, end = times[index], times[index + count]
+            index += count
+            if text.strip():
+                segment.words.append(Word(text.strip(), piece.offset_s + start, piece.offset_s + end))
+                durations.append(end - start)
+    _tidy_words(segments, durations)
+
+
+def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
+    """Caps words that swallowed a pause (longer than twice the median word, at most 1.4 s:
+    the alignment stretches a word at a sentence end or after a pause), then keeps every word
+    inside its segment, in order, with a positive length."""
+    positive = [d for d in durations if d > 0]
+    max_duration = 2 * min(0.7, float(np.median(positive))) if positive else 1.4
+    for segment in segments:
+        words = segment.words
+        for i, word in enumerate(words):
+            if word.end - word.start > max_duration:
+                if word.word[-1] in SENTENCE_END or i == len(words) - 1:
+                    word.end = word.start + max_duration
+                else:
+                    word.start = word.end - max_duration
+        previous_end = segment.start
+        for word in words:
+            word.start = min(max(word.start, previous_end), segment.end - MIN_DURATION_S)
+            word.end = min(max(word.end, word.start + MIN_DURATION_S), segment.end)
+            word.start = max(segment.start, min(word.start, word.end - MIN_DURATION_S))
+            previous_end = word.end

@@ -1,0 +1,372 @@
+"""Timestamps, words, subtitles, prompts and temperature fallback: the rules and helpers one
+by one, then through the engine on the bundled tiny.en."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+import srt
+import torch
+import webvtt
+
+from asrserve.config import SAMPLE_RATE
+from asrserve.engine.fallback import compression_ratio, is_silence, needs_fallback, pick_attempt, summarize
+from asrserve.engine.request import (
+    FALLBACK_TEMPERATURES,
+    Attempt,
+    DecodeSummary,
+    RequestOutput,
+    SamplingParams,
+)
+from asrserve.engine.word_timing import dtw, median_filter
+from asrserve.entrypoints.formats import format_timestamp, to_srt, to_verbose_json, to_vtt
+from asrserve.entrypoints.pieces import PieceResult
+from asrserve.entrypoints.segments import build_segments
+from asrserve.entrypoints.words import split_words
+from asrserve.model.sampler import TimestampRules
+from tests.conftest import SENTENCES, run_to_completion
+
+SRT_CUE = re.compile(r"(\d+)\n(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),(\d\d\d)\n([^\n]+)\n")
+VTT_CUE = re.compile(r"(\d\d):(\d\d):(\d\d)\.(\d\d\d) --> (\d\d):(\d\d):(\d\d)\.(\d\d\d)\n([^\n]+)\n")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_en_engine):
+    return tiny_en_engine.tokenizer
+
+
+def _ts(tokenizer, seconds: float) -> int:
+    return tokenizer.special.timestamp_begin + round(seconds / 0.02)
+
+
+# --- the timestamp rules -------------------------------------------------------------------
+
+
+EOT, BEGIN, VOCAB = 50256, 50363, 51864
+
+
+@pytest.fixture
+def rules() -> TimestampRules:
+    return TimestampRules(EOT, BEGIN, VOCAB, torch.device("cpu"))
+
+
+def test_timestamp_rules_limits(rules):
+    text = 400
+    # First token: a timestamp of at most 1.0 s, nothing else.
+    assert rules.limits([]) == (BEGIN, False, BEGIN, BEGIN + 50)
+    # After an opening timestamp: text (timestamps banned).
+    assert rules.limits([BEGIN + 10]) == (0, True, BEGIN + 11, VOCAB - 1)
+    # Inside a segment: text, or a closing timestamp later than the opening one.
+    assert rules.limits([BEGIN + 10, text]) == (0, False, BEGIN + 11, VOCAB - 1)
+    # After a closing timestamp: another timestamp (no earlier than it) or the end, no text.
+    assert rules.limits([BEGIN + 10, text, BEGIN + 30]) == (EOT, False, BEGIN + 30, VOCAB - 1)
+    # After a pair: text only.
+    assert rules.limits([BEGIN + 10, text, BEGIN + 30, BEGIN + 30]) == (0, True, BEGIN + 31, VOCAB - 1)
+
+
+def test_timestamp_rules_mask_and_force(rules):
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 300] = 5.0  # a likely text token, but this row must open with a timestamp
+    logits[1, 300] = 5.0  # a likely text token against many timestamps of 0 each: forced
+    logits[2, 300] = 20.0  # text clearly wins
+    rules.apply(logits, [0, 1, 2], [[], [BEGIN, 300], [BEGIN, 300]])
+    allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
+    assert allowed[0] == set(range(BEGIN, BEGIN + 51))
+    assert allowed[1] == set(range(BEGIN + 1, VOCAB))  # timestamp mass 1500 * e^0 beats e^5
+    assert 300 in allowed[2] and EOT in allowed[2]
+    assert not allowed[2] & set(range(EOT + 1, BEGIN))  # control tokens never
+    assert not allowed[2] & {BEGIN}  # a segment cannot close at its opening time
+
+
+# --- fallback decisions --------------------------------------------------------------------
+
+
+def _summary(avg_logprob: float, ratio: float, no_speech: float | None = 0.1) -> DecodeSummary:
+    return DecodeSummary(0.0, avg_logprob, ratio, no_speech, False, 1)
+
+
+def test_compression_ratio_flags_repetition():
+    assert compression_ratio("") == 0.0
+    assert compression_ratio("The birch canoe slid on the smooth planks.") < 1.5
+    assert compression_ratio("thank you " * 40) > 2.4
+
+
+def test_fallback_decision():
+    params = SamplingParams.transcription(0.0)
+    assert params.fallback_temperatures == FALLBACK_TEMPERATURES and params.no_speech_threshold == 0.6
+    assert not needs_fallback(_summary(-0.3, 1.4), params)
+    assert needs_fallback(_summary(-0.3, 2.6), params)  # too repetitive
+    assert needs_fallback(_summary(-1.2, 1.4), params)  # too unlikely
+    # Silence: likely no speech and unlikely text is not retried, and is dropped.
+    assert not needs_fallback(_summary(-1.2, 1.4, no_speech=0.9), params)
+    assert is_silence(_summary(-1.2, 1.4, no_speech=0.9), params)
+    assert not is_silence(_summary(-0.5, 1.4, no_speech=0.9), params)  # likely text is kept
+    assert not is_silence(_summary(-1.2, 1.4, no_speech=0.5), params)
+    # A temperature above 0 samples once; streaming decodes once and judges nothing.
+    assert SamplingParams.transcription(0.4).fallback_temperatures == ()
+    streamed = SamplingParams.transcription(0.0, decode_once=True)
+    assert streamed.fallback_temperatures == () and not is_silence(_summary(-1.2, 1.4, 0.9), streamed)
+
+
+def test_pick_attempt_prefers_likely_and_not_repetitive():
+    params = SamplingParams.transcription(0.0)
+    attempts = [
+        Attempt([1], [0.0], _summary(-0.2, 3.0), [], "stop"),  # likeliest but looping
+        Attempt([2], [0.0], _summary(-1.5, 1.2), [], "stop"),
+        Attempt([3], [0.0], _summary(-1.1, 1.3), [], "stop"),
+    ]
+    assert pick_attempt(attempts, params).token_ids == [3]
+    assert pick_attempt(attempts[:1], params).token_ids == [1]
+
+
+def test_avg_logprob_counts_tokens_as_whisper_does():
+    summary = summarize([10, 11, EOT], [-1.0, -2.0, -0.5], "text", 0.0, 0.2, EOT)
+    assert summary.avg_logprob == pytest.approx(-3.5 / 3)
+    summary = summarize([10, 11], [-1.0, -2.0], "text", 0.0, 0.2, EOT)  # stopped by length
+    assert summary.avg_logprob == pytest.approx(-3.0 / 3)
+
+
+def test_piece_result_follows_restarts():
+    piece = PieceResult(0.0, 5.0)
+    piece.add(RequestOutput("r", [1, 2], [-0.1, -0.2], False))
+    piece.add(RequestOutput("r", [], [], False, restarted=True))
+    piece.add(RequestOutput("r", [3], [-0.3], False))
+    assert piece.token_ids == [3] and piece.logprobs == [-0.3]
+    # The final output may bring back an earlier attempt whole.
+    summary = _summary(-0.4, 1.2)
+    piece.add(RequestOutput("r", [1, 2, EOT], [-0.1, -0.2, -0.1], True, "stop", restarted=True, summary=summary))
+    assert piece.token_ids == [1, 2, EOT] and piece.summary is summary
+
+
+# --- alignment ------------------------------------------------------------------------------
+
+
+def _dtw_reference(cost: np.ndarray) -> float:
+    """The textbook O(N M) recurrence: the cheapest path's total cost."""
+    rows, cols = cost.shape
+    total = np.full((rows + 1, cols + 1), np.inf)
+    total[0, 0] = 0
+    for i in range(1, rows + 1):
+        for j in range(1, cols + 1):
+            total[i, j] = cost[i - 1, j - 1] + min(total[i - 1, j - 1], total[i - 1, j], total[i, j - 1])
+    return total[rows, cols]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (6, 1), (5, 9), (12, 40)])
+def test_dtw_finds_the_cheapest_monotonic_path(shape):
+    cost = np.random.default_rng(sum(shape)).random(shape)
+    rows, cols = dtw(cost)
+    assert rows[0] == 0 and cols[0] == 0 and rows[-1] == shape[0] - 1 and cols[-1] == shape[1] - 1
+    steps = np.stack([np.diff(rows), np.diff(cols)], axis=1)
+    assert all(tuple(step) in {(1, 0), (0, 1), (1, 1)} for step in steps)
+    assert cost[rows, cols].sum() == pytest.approx(_dtw_reference(cost))
+
+
+def test_median_filter_matches_numpy():
+    x = torch.randn(2, 3, 20)
+    padded = np.pad(x.numpy(), ((0, 0), (0, 0), (3, 3)), mode="reflect")
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 7, axis=-1)
+    np.testing.assert_allclose(median_filter(x, 7).numpy(), np.median(windows, axis=-1), rtol=1e-6)
+
+
+def test_words_keep_punctuation_with_their_word(tokenizer):
+    text = ' Hello, world! She said "yes" (twice) and left.'
+    tokens = tokenizer.encode(text)
+    words = split_words(tokenizer, tokens, "en")
+    assert sum(count for _, count in words) == len(tokens)
+    assert [w.strip() for w, _ in words] == ["Hello,", "world!", "She", "said", '"yes"', "(twice)", "and", "left."]
+
+
+def test_words_split_per_character_in_languages_without_spaces(tokenizer):
+    tokens = tokenizer.encode("你好世界")
+    words = split_words(tokenizer, tokens, "zh")
+    assert "".join(w for w, _ in words) == "你好世界" and len(words) == 4
+
+
+# --- segments and formats --------------------------------------------------------------------
+
+
+def test_segments_from_timestamp_pairs(tokenizer):
+    eot = tokenizer.special.eot
+    first, second = tokenizer.encode(" Hello there."), tokenizer.encode(" General Kenobi")
+    tokens = [_ts(tokenizer, 0.0), *first, _ts(tokenizer, 1.5), _ts(tokenizer, 2.0), *second, eot]
+    summary = DecodeSummary(0.2, -0.3, 1.1, 0.05, False, 2)
+    pieces = [
+        PieceResult(0.0, 3.0, [_ts(tokenizer, 0.4), *first, _ts(tokenizer, 29.0)], summary=summary),
+        PieceResult(28.0, 2.6, tokens, summary=summary),
+        PieceResult(30.6, 5.0, [_ts(tokenizer, 0.0), *first, eot], summary=DecodeSummary(0, -2, 1, 0.9, True, 1)),
+    ]
+    segments = build_segments(tokenizer, pieces, "en")
+    times = [(s.start, s.end) for s in segments]
+    # The first closing timestamp lies past its piece's end: clamped. The last segment is
+    # left open: it ends with its piece. The silent piece contributes nothing.
+    assert times == [(0.4, 3.0), (28.0, 29.5), (30.0, 30.6)]
+    assert [s.text for s in segments] == [" Hello there.", " Hello there.", " General Kenobi"]
+    assert [s.id for s in segments] == [0, 1, 2] and segments[1].seek == 2800
+    assert segments[2].tokens == [_ts(tokenizer, 2.0), *second]
+    assert segments[1].temperature == 0.2 and segments[1].no_speech_prob == 0.05
+
+
+def test_timestamp_formats():
+    assert format_timestamp(0, ",") == "00:00:00,000"
+    assert format_timestamp(3661.5, ",") == "01:01:01,500"
+    assert format_timestamp(59.9996, ".") == "00:01:00.000"
+
+
+def _segments_for_formats(tokenizer):
+    tokens = [_ts(tokenizer, 0.5), *tokenizer.encode(" One\n\ntwo --> three"), _ts(tokenizer, 2.0),
+              _ts(tokenizer, 29.0), *tokenizer.encode(" Four."), _ts(tokenizer, 29.84)]
+    return build_segments(tokenizer, [PieceResult(30.0, 30.0, tokens, summary=_summary(-0.2, 1.0))], "en")
+
+
+def test_srt_and_vtt_parse_strictly(tokenizer):
+    segments = _segments_for_formats(tokenizer)
+    subtitles = to_srt(segments)
+    assert "".join(m.group(0) + "\n" for m in SRT_CUE.finditer(subtitles)) == subtitles
+    parsed = list(srt.parse(subtitles))
+    assert [(c.index, c.start.total_seconds(), c.end.total_seconds(), c.content) for c in parsed] == [
+        (1, 30.5, 32.0, "One two -> three"), (2, 59.0, 59.84, "Four.")
+    ]
+
+    captions = to_vtt(segments)
+    assert captions.startswith("WEBVTT\n\n")
+    body = captions.removeprefix("WEBVTT\n\n")
+    assert "".join(m.group(0) + "\n" for m in VTT_CUE.finditer(body)) == body
+    cues = webvtt.from_buffer(io.StringIO(captions)).captions
+    assert [(c.start, c.end, c.text) for c in cues] == [
+        ("00:00:30.500", "00:00:32.000", "One two -> three"), ("00:00:59.000", "00:00:59.840", "Four.")
+    ]
+
+
+# --- through the engine --------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+@pytest.fixture(scope="module")
+def asr():
+    from asrserve.entrypoints.offline import ASR
+
+    return ASR(dtype="float32")
+
+
+def test_segments_and_words_around_a_known_pause(asr, speech_audio):
+    first, second = speech_audio[1], speech_audio[3]
+    speech_end = np.flatnonzero(np.abs(first) > 1e-3)[-1] / SAMPLE_RATE
+    audio = np.concatenate([first, np.zeros(2 * SAMPLE_RATE, np.float32), second])
+    pause_start = speech_end
+    pause_end = (len(first) + 2 * SAMPLE_RATE + np.flatnonzero(np.abs(second) > 1e-3)[0]) / SAMPLE_RATE
+    assert pause_end - pause_start >= 2.0
+    result = asr.transcribe(audio, word_timestamps=True)[0]
+    segments = result.segments
+    assert len(segments) >= 2 and result.text
+    for previous, segment in zip(segments, segments[1:]):
+        assert previous.start <= segment.start and previous.end <= segment.start + 1e-6
+    for segment in segments:
+        assert 0 <= segment.start < segment.end <= result.duration
+    # A segment ends and the next begins within 0.5 s of the pause.
+    assert any(
+        pause_start - 0.5 <= a.end <= pause_end + 0.5 and pause_start - 0.5 <= b.start <= pause_end + 0.5
+        for a, b in zip(segments, segments[1:])
+    ), [(s.start, s.end, s.text) for s in segments]
+
+    words = result.words
+    assert [w.word for w in words] == [w for s in segments for w in s.text.split()]
+    for segment in segments:
+        for word in segment.words:
+            assert segment.start <= word.start < word.end <= segment.end
+    assert all(a.start <= b.start and a.end <= b.end for a, b in zip(words, words[1:]))
+    # The words know which side of the pause they were spoken on.
+    first_sentence = len(_words(SENTENCES[1]))
+    assert words[first_sentence - 2].end <= pause_start + 0.5
+    assert words[-3].start >= pause_end - 0.5
+
+
+def test_fallback_retries_reuse_the_encoder_output(tiny_en_engine, speech_audio):
+    engine = tiny_en_engine
+    forwards_before = sum(engine.runner.encoder_batch_sizes.values())
+    # An unreachable threshold: every attempt fails, so all five retries run.
+    params = SamplingParams(
+        timestamps=True, word_timestamps=True, fallback_temperatures=FALLBACK_TEMPERATURES,
+        logprob_threshold=0.0, seed=11,
+    )
+    engine.add_request("fallback", speech_audio[5], sampling_params=params)
+    outputs = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+    assert sum(engine.runner.encoder_batch_sizes.values()) == forwards_before + 1
+    assert sum(o.restarted and not o.finished for o in outputs) == len(FALLBACK_TEMPERATURES)
+    final = outputs[-1]
+    assert final.finished and final.summary.num_attempts == len(FALLBACK_TEMPERATURES) + 1
+    assert final.summary.temperature in (0.0, *FALLBACK_TEMPERATURES)
+    piece = PieceResult(0.0, len(speech_audio[5]) / SAMPLE_RATE)
+    for output in outputs:
+        piece.add(output)
+    text_tokens = [t for t in piece.token_ids if t < engine.tokenizer.special.eot]
+    assert len(final.summary.token_times) == len(text_tokens) + 1
+    assert engine.block_manager.num_used_blocks == 0 and engine.encoder_cache.num_cached == 0
+
+
+def test_a_passing_decode_is_not_retried(tiny_en_engine, speech_audio):
+    engine = tiny_en_engine
+    engine.add_request("once", speech_audio[5], sampling_params=SamplingParams.transcription(0.0))
+    outputs = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+    assert not any(o.restarted for o in outputs)
+    summary = outputs[-1].summary
+    assert summary.num_attempts == 1 and summary.temperature == 0.0 and summary.avg_logprob > -1.0
+    assert 0.0 <= summary.no_speech_prob < 0.6 and not summary.no_speech
+
+
+def test_silence_is_dropped(asr):
+    # Faint noise: tiny.en is sure nobody speaks, yet writes an unlikely sentence (greedy and
+    # at every fallback temperature); Whisper's rule drops it.
+    noise = np.random.default_rng(0).normal(0, 0.01, 5 * SAMPLE_RATE).astype(np.float32)
+    result = asr.transcribe(noise, timestamps=True)[0]
+    summary = result.pieces[0].summary
+    assert summary.no_speech_prob > 0.6 and summary.avg_logprob < -1.0
+    assert summary.no_speech and result.text == "" and result.segments == []
+    kept = asr.transcribe(noise, timestamps=True, fallback=False)[0]  # no judgement: the text stays
+    assert kept.text and not kept.pieces[0].is_silence
+
+
+def test_prompt_is_context_not_output(asr, speech_files, tiny_en_engine):
+    prompt = "Glue the sheet to the dark blue background. It is easy to tell the depth of a well."
+    clips = [speech_files[9], speech_files[10]]
+    plain = [r.text for r in asr.transcribe(clips)]
+    prompted = [r.text for r in asr.transcribe(clips, prompt=prompt)]
+    # Without the prompt tiny.en mishears the start of at least one; with it, each transcript
+    # starts with its own first words (none dropped) and has as many words as the sentence
+    # (none repeated from the prompt).
+    assert any(_words(text)[:3] != _words(SENTENCES[i])[:3] for text, i in zip(plain, (9, 10)))
+    for text, index in zip(prompted, (9, 10)):
+        assert _words(text)[:3] == _words(SENTENCES[index])[:3], text
+        assert len(_words(text)) == len(_words(SENTENCES[index])), text
+
+    # The prompt's tokens: <|startofprev|>, its last 223 tokens, then <|startoftranscript|>.
+    special = tiny_en_engine.tokenizer.special
+    long_prompt = " ".join(SENTENCES) * 4
+    tiny_en_engine.add_request("prompted", np.zeros(SAMPLE_RATE, np.float32), prompt=long_prompt)
+    request = tiny_en_engine.scheduler.requests["prompted"]
+    expected = tiny_en_engine.tokenizer.encode(" " + long_prompt.strip())[-223:]
+    assert request.prompt_token_ids == [special.sot_prev, *expected, special.sot, special.no_timestamps]
+    assert request.sot_index == 224
+    run_to_completion(tiny_en_engine)
+    assert tiny_en_engine.block_manager.num_used_blocks == 0
+
+
+def test_verbose_json_body(tokenizer):
+    tokens = [_ts(tokenizer, 0.0), *tokenizer.encode(" Hi."), _ts(tokenizer, 0.8)]
+    piece = PieceResult(0.0, 1.0, tokens, summary=_summary(-0.2, 0.9))
+    piece.summary.token_times = [0.0, 0.3, 0.8]
+    segments = build_segments(tokenizer, [piece], "en", words=True)
+    body = to_verbose_json("transcribe", "en", 1.0, "Hi.", segments, True, {"type": "duration", "seconds": 1.0})
+    assert list(body) == ["task", "language", "duration", "text", "segments", "words", "usage"]
+    assert body["segments"][0]["start"] == 0.0 and body["segments"][0]["end"] == 0.8
+    assert body["words"] == [{"word": "Hi.", "start": 0.0, "end": 0.8}]
