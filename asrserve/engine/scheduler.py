@@ -15,14 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
-from asrserve.config import SAMPLE_RATE, SchedulerConfig
+from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.fallback import is_silence, needs_fallback, pick_attempt, summarize
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
-from asrserve.engine.word_timing import token_times
+from asrserve.engine.word_timing import text_token_times
 from asrserve.model.tokenizer import WhisperTokenizer
 
 if TYPE_CHECKING:
@@ -173,7 +171,9 @@ class Scheduler:
         summary.num_attempts = len(attempts)
         summary.no_speech = is_silence(summary, params)
         if params.word_timestamps:
-            summary.token_times = self._token_times(chosen, len(request.audio))
+            summary.token_times = text_token_times(
+                chosen.token_ids, chosen.alignment_scores, len(request.audio), self.tokenizer.special.eot
+            )
         self._finish(request, RequestStatus.FINISHED, chosen.finish_reason)
         if chosen is attempt:  # the tokens already sent stand; this adds the last one
             return RequestOutput(
@@ -195,20 +195,6 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         self.block_manager.trim(request, num_prompt)
         request.num_computed_tokens = num_prompt - 1
-
-    def _token_times(self, attempt: Attempt, num_samples: int) -> list[float]:
-        """Times of the text tokens and of the end: the rows of the text tokens and of
-        <|endoftext|> (which marks where the last word ends); without one, the audio's end."""
-        eot = self.tokenizer.special.eot
-        rows = [i for i, token in enumerate(attempt.token_ids) if token <= eot]
-        ends_with_eot = bool(attempt.token_ids) and attempt.token_ids[-1] == eot
-        if not rows:
-            return []
-        scores = torch.stack([attempt.alignment_scores[i] for i in rows])
-        times = token_times(scores, num_samples)
-        if not ends_with_eot:
-            times.append(num_samples / SAMPLE_RATE)
-        return times
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asrserve.config import HOP_LENGTH
+from asrserve.config import HOP_LENGTH, SAMPLE_RATE
 
 FRAMES_PER_SECOND = 50  # encoder positions: 1500 per 30 s
 MEDIAN_FILTER_WIDTH = 7
@@ -82,3 +82,16 @@ def token_times(scores: torch.Tensor, num_samples: int) -> list[float]:
     rows, cols = dtw(-matrix.double().cpu().numpy())
     first_of_row = np.concatenate([[True], np.diff(rows) > 0])
     return (cols[first_of_row] / FRAMES_PER_SECOND).tolist()
+
+
+def text_token_times(token_ids: list[int], scores: list[torch.Tensor], num_samples: int, eot: int) -> list[float]:
+    """Times of a decode's text tokens and of its end, from the scores of the steps that
+    sampled each token: the rows of the text tokens and of <|endoftext|> (which marks where the
+    last word ends) go through the alignment; without an <|endoftext|>, the audio's end."""
+    rows = [i for i, token in enumerate(token_ids) if token <= eot]
+    if not rows:
+        return []
+    times = token_times(torch.stack([scores[i] for i in rows]), num_samples)
+    if token_ids[-1] != eot:
+        times.append(num_samples / SAMPLE_RATE)
+    return times
