@@ -126,6 +126,7 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
 
 def _transcribe(args: argparse.Namespace) -> int:
     from asrserve.entrypoints.offline import ASR
+    from asrserve.entrypoints.protocol import TIMESTAMPED_FORMATS
     from asrserve.errors import InvalidRequestError, ModelLoadError
 
     try:
@@ -161,7 +162,6 @@ def _transcribe(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")
 EXTENSIONS = {"text": "txt", "json": "json", "verbose_json": "json", "srt": "srt", "vtt": "vtt"}
 
 

@@ -191,7 +191,7 @@ class ASR:
                     if job.remaining == 0:
                         if bar is not None:
                             bar.update(1)
-                        yield job.index, self._finish(job, timestamps)
+                        yield job.index, self._finish(job, params)
                     in_flight += job.remaining
                 if not engine.has_work():
                     break
@@ -205,7 +205,7 @@ class ASR:
                         if job.remaining == 0:
                             if bar is not None:
                                 bar.update(1)
-                            yield job.index, self._finish(job, timestamps)
+                            yield job.index, self._finish(job, params)
         finally:
             for request_id in list(jobs_by_request):  # the caller stopped early: free everything
                 engine.abort(request_id)
@@ -214,16 +214,15 @@ class ASR:
             if bar is not None:
                 bar.close()
 
-    def _finish(self, job: _Job, timestamps: bool) -> Transcription:
+    def _finish(self, job: _Job, params: SamplingParams) -> Transcription:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
         language = next((piece.language for piece in job.pieces if piece.language), None)
         spoken = [piece for piece in job.pieces if not piece.is_silence]
         all_logprobs = [lp for piece in spoken for lp in piece.logprobs]
         segments = None
-        if timestamps:
-            word_timestamps = any(p.summary and p.summary.token_times is not None for p in spoken)
-            segments = build_segments(self.tokenizer, job.pieces, language, words=word_timestamps)
+        if params.timestamps:
+            segments = build_segments(self.tokenizer, job.pieces, language, words=params.word_timestamps)
         return Transcription(
             text=transcript_text(self.tokenizer, job.pieces, language),
             language=language,

@@ -86,7 +86,8 @@ def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: i
     text_token_start = 0
     for start, end, span_tokens in spans:
         text_tokens = [t for t in span_tokens if t < eot]
-        if not tokenizer.decode(text_tokens).strip():
+        text = tokenizer.decode(text_tokens)
+        if not text.strip():
             text_token_start += len(text_tokens)
             continue
         start, end = _ordered(start, end_of_piece if end is None else end, end_of_piece)
@@ -96,7 +97,7 @@ def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: i
                 seek=round(piece.offset_s * 100),
                 start=piece.offset_s + start,
                 end=piece.offset_s + end,
-                text=tokenizer.decode(text_tokens),
+                text=text,
                 tokens=span_tokens,
                 temperature=summary.temperature if summary else 0.0,
                 avg_logprob=summary.avg_logprob if summary else 0.0,
