@@ -24,7 +24,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
     group.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                        help="dummy: random weights with the model's real architecture (benchmarks)")
     group.add_argument("--dtype", default="auto",
-                       help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+                       help="auto (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32), "
+                       "float32 (exact), bfloat16 or float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together per step")
     group.add_argument("--max-encoder-batch", type=int, default=8, help="audios per encoder forward")
@@ -93,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_engine_args(serve, model_flag=False)
     _defaults_from_environment(serve)
+
+    from asrserve.benchmark.options import add_bench_args
+
+    bench = commands.add_parser(
+        "bench", help="load-test a running server",
+        description="Send a folder of audio files to a running OpenAI-compatible server at a fixed concurrency "
+        "and report RTFx, requests/s, latency percentiles, time to first token (--stream), /health latency "
+        "during the load, failures, and WER when a manifest gives reference texts.",
+    )
+    add_bench_args(bench)
     return parser
 
 
@@ -234,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         return _transcribe(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        from asrserve.benchmark.run import run_bench
+
+        return run_bench(args)
     raise AssertionError(args.command)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import platform
 import sys
@@ -30,18 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
-from tests.conftest import SENTENCES, SHARED_AUDIO, synthesize
+from benchmarks.workloads import english_recordings
+from tests.conftest import SENTENCES, synthesize
 from tests.server_utils import ServerProcess
 
 
 def long_recording(seconds: float, directory: Path) -> Path:
-    pieces = []
-    manifest = SHARED_AUDIO / "manifest.tsv"
-    if manifest.is_file():
-        with open(manifest) as file:
-            rows = [row for row in csv.DictReader(file, delimiter="\t") if row["language"] == "en"]
-        pieces = [load_audio(SHARED_AUDIO / row["file"]) for row in rows]
-    else:
+    pieces = [audio for audio, _ in english_recordings()]
+    if not pieces:
         pieces = [load_audio(synthesize(text, directory / f"s{i}.wav")) for i, text in enumerate(SENTENCES)]
     pause = np.zeros(SAMPLE_RATE // 2, np.float32)
     audio = np.zeros(0, np.float32)

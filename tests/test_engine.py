@@ -202,3 +202,56 @@ def test_half_precision_transcribes(speech_audio, dtype):
     texts = [engine.tokenizer.decode(tokens[i]).lower() for i in ids]
     assert "lazy" in texts[0] and "plastic snake" in texts[1]
     assert_idle_and_clean(engine)
+
+
+def test_cpu_16bit_encoder_attention_matches_sdpa():
+    """The CPU bf16 encoder path (one head at a time, bf16 GEMMs) against SDPA in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    from asrserve.model.whisper import attention_by_head
+
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 300, 3, 4, 64, generator=generator) * 1.5
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    reference = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # [B, L, H, D]
+    out = attention_by_head(qkv.bfloat16()).float()
+    assert out.shape == reference.shape
+    assert (out - reference).abs().max() < 0.1 and (out - reference).abs().mean() < 0.01
+
+
+def test_cpu_16bit_paged_attention_matches_sdpa():
+    """The CPU bf16 decoder path (head-major copies, two matmuls, masked) against SDPA in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    from asrserve.model.attention import GatherBuffers, _attention_head_major
+
+    generator = torch.Generator().manual_seed(1)
+    queries = torch.randn(3, 5, 4, 64, generator=generator)
+    keys, values = torch.randn(2, 3, 40, 4, 64, generator=generator).unbind(0)
+    mask = torch.rand(3, 1, 5, 40, generator=generator) < 0.7
+    mask[..., 0] = True  # no row entirely masked
+    for attn_mask in (None, mask):
+        reference = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
+        )
+        out = _attention_head_major(
+            queries.bfloat16(), keys.bfloat16(), values.bfloat16(), attn_mask, GatherBuffers()
+        ).float()
+        assert out.shape == reference.shape
+        assert (out - reference).abs().max() < 0.05
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
+    import torch
+
+    from asrserve import config
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert config.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert config.resolve_dtype("auto", cpu) == torch.float32
+    assert config.resolve_dtype("float32", cpu) == torch.float32

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server():
     process = ServerProcess(
-        ["--api-key", *API_KEYS, "--served-model-name", "tiny.en", "whisper-1", "--max-audio-duration-s", "200"]
+        # float32: the server's texts are compared with offline float32 transcription, exactly
+        ["--api-key", *API_KEYS, "--served-model-name", "tiny.en", "whisper-1", "--max-audio-duration-s", "200",
+         "--dtype", "float32"]
     )
     try:
         yield process.wait_ready()
@@ -174,6 +176,25 @@ def test_sdk_stream_iterates_openai_events(client, speech_files, expected_stream
     assert len(done) == 1 and events[-1] is done[0]
     assert "".join(event.delta for event in deltas) == done[0].text == expected_streamed[6]
     assert done[0].usage.output_tokens >= len(deltas)
+
+
+def test_temperature_fallback_extension_decodes_once(client, server, speech_files, expected_streamed):
+    from asrserve.entrypoints.api_server import _JobParams
+    from asrserve.entrypoints.protocol import TranscriptionRequest
+
+    for fields, retries in (({}, True), ({"temperature_fallback": ["false"]}, False)):
+        params = TranscriptionRequest.from_form(fields)
+        sampling = _JobParams(None, "transcribe", params, "transcriptions", 0.0).sampling
+        assert bool(sampling.fallback_temperatures) is retries
+        assert (sampling.no_speech_threshold is not None) is retries
+    for path, text in list(zip(speech_files, expected_streamed))[:3]:
+        with open(path, "rb") as file:
+            result = client.audio.transcriptions.create(
+                model="tiny.en", file=file, extra_body={"temperature_fallback": False}
+            )
+        assert result.text == text
+    response = _post(server, files={"file": speech_files[0].read_bytes()}, data={"temperature_fallback": "maybe"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature_fallback"
 
 
 def test_raw_stream_is_sse_ending_with_done(server, speech_files):

@@ -265,8 +265,9 @@ class _JobParams:
         self.arrival = arrival
         self.timestamps = params.response_format in TIMESTAMPED_FORMATS
         self.words = "word" in params.timestamp_granularities
+        decode_once = params.stream or not params.temperature_fallback
         self.sampling = SamplingParams.transcription(
-            params.temperature, decode_once=params.stream, seed=params.seed, max_tokens=params.max_completion_tokens,
+            params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
             timestamps=self.timestamps, word_timestamps=self.words,
         )
 

@@ -54,6 +54,9 @@ class TranscriptionRequest(BaseModel):
     timestamp_granularities: list[Literal["word", "segment"]] = Field(default_factory=list)
     max_completion_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
+    # asrserve's extension (OpenAI SDK: extra_body={"temperature_fallback": False}): at
+    # temperature 0, decode once instead of retrying failed pieces at higher temperatures.
+    temperature_fallback: bool = True
 
     @classmethod
     def from_form(cls, fields: dict[str, list[str]]) -> "TranscriptionRequest":

@@ -5,7 +5,8 @@ request's tokens live in the blocks its block table names; slot = block * block_
 Self-attention blocks grow with the decoded text; cross-attention blocks hold the K/V of the
 request's 1500 encoder positions, written once. This path gathers each request's blocks into a
 padded batch and runs one SDPA call for the whole step: it is the CPU path and the reference
-for faster kernels.
+for faster kernels. With 16-bit pools on CPU it runs the attention as two matmuls over
+head-major copies instead of SDPA (see _attention_head_major).
 """
 
 from __future__ import annotations
@@ -119,13 +120,36 @@ def paged_attention(
         queries.index_copy_(0, metadata.padded_index, query)
         queries = queries.view(num_seqs, max_query_len, num_heads, head_dim)
 
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
-    )
+    if query.device.type == "cpu" and query.dtype != torch.float32:
+        out = _attention_head_major(queries, keys, values, attn_mask, buffers)
+    else:
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
+        )
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads * head_dim)
     if metadata.padded_index is not None:
         out = out.index_select(0, metadata.padded_index)
     return out
+
+
+def _attention_head_major(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None,
+    buffers: GatherBuffers,
+) -> torch.Tensor:
+    """[N, Q, H, D] queries over [N, K, H, D] keys -> [N, H, Q, D]: the CPU path for 16-bit pools.
+
+    torch's CPU SDPA kernel reads 16-bit K/V in [N, K, H, D] order slowly: on 2 AVX512-BF16 cores
+    a decode step's cross-attention over 32 requests takes 22 ms per layer in bf16 against 8.5
+    in fp32. Copying K/V head-major ([N, H, K, D], into reused buffers) and running two batched
+    bf16 matmuls takes ~7 ms. The scores are rounded to bf16 before the softmax."""
+    num_seqs, key_len, num_heads, head_dim = keys.shape
+    shape = (num_seqs, num_heads, key_len, head_dim)
+    keys = buffers.get("k_heads", shape, keys).copy_(keys.transpose(1, 2))
+    values = buffers.get("v_heads", shape, values).copy_(values.transpose(1, 2))
+    scores = torch.matmul(queries.transpose(1, 2) * head_dim**-0.5, keys.transpose(-1, -2))  # [N, H, Q, K]
+    if attn_mask is not None:
+        scores.masked_fill_(~attn_mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values)
 
 
 def build_self_attn_mask(

@@ -1,0 +1,130 @@
+"""`asrserve bench`: load the workload, find the model, warm up, run each concurrency, report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import httpx
+
+from asrserve.benchmark.load_generator import LoadSpec, run_load
+from asrserve.benchmark.report import format_table, plot_sweep, summarize
+from asrserve.benchmark.workload import load_workload
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        concurrencies = _concurrencies(args)
+        fields = _form_fields(args.field)
+        files = load_workload(args.audio_dir, args.manifest)
+        model = args.model or _first_model(args.url, args.api_key)
+    except (ValueError, RuntimeError) as error:
+        print(f"asrserve bench: error: {error}", file=sys.stderr)
+        return 2
+    total_audio = sum(f.duration_s for f in files)
+    print(f"{len(files)} files, {total_audio:.1f} s of audio; {args.url}, model {model}"
+          f"{', streaming' if args.stream else ''}", file=sys.stderr)
+
+    def spec(concurrency: int, **overrides) -> LoadSpec:
+        amount = {"duration_s": args.duration} if args.duration else {
+            "num_requests": args.num_requests or max(len(files), 4 * concurrency)}
+        settings = dict(
+            url=args.url.rstrip("/"), model=model, concurrency=concurrency, stream=args.stream,
+            endpoint=args.endpoint, language=args.language, response_format=args.response_format,
+            api_key=args.api_key, timeout_s=args.timeout, health_interval_s=args.health_interval,
+            progress=args.progress, fields=tuple(fields),
+        )
+        return LoadSpec(**(settings | amount | overrides))
+
+    warmup = args.warmup if args.warmup is not None else min(len(files), 8)
+    summaries = []
+    try:
+        if warmup > 0:
+            result = asyncio.run(run_load(spec(min(warmup, max(concurrencies)), num_requests=warmup, duration_s=None,
+                                               progress=False), files))
+            failed = [s.error for s in result.samples if s.error]
+            if len(failed) == len(result.samples):
+                print(f"asrserve bench: error: every warm-up request failed: {failed[0]}", file=sys.stderr)
+                return 1
+        for concurrency in concurrencies:
+            summary = summarize(asyncio.run(run_load(spec(concurrency), files)), files)
+            summaries.append(summary)
+            print(f"concurrency {concurrency}: RTFx {summary['rtfx']}, p99 {summary['latency_ms']['p99']} ms, "
+                  f"{summary['failed']} failed", file=sys.stderr, flush=True)
+    except RuntimeError as error:  # e.g. WER asked for without the normaliser installed
+        print(f"asrserve bench: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asrserve bench: interrupted", file=sys.stderr)
+        return 130
+
+    print(format_table(summaries), flush=True)
+    for summary in summaries:
+        for error in summary.get("first_errors", []):
+            print(f"  c={summary['concurrency']} failure: {error}", file=sys.stderr)
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "url": args.url, "model": model, "endpoint": args.endpoint, "stream": args.stream,
+        "response_format": args.response_format, "language": args.language, "fields": args.field,
+        "files": len(files), "audio_seconds_per_pass": round(total_audio, 3),
+        "client": f"{platform.machine()}, {os.cpu_count()} CPUs", "runs": summaries,
+    }
+    if args.save_result:
+        args.save_result.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.save_result}", file=sys.stderr)
+    if args.sweep:
+        default = args.save_result.with_suffix(".png") if args.save_result else Path("bench-sweep.png")
+        try:
+            path = plot_sweep(summaries, args.plot or default, f"{model}: {len(files)} files, {total_audio:.0f} s")
+        except RuntimeError as error:
+            print(f"asrserve bench: error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}", file=sys.stderr)
+    return 0 if any(s["succeeded"] for s in summaries) else 1
+
+
+def _concurrencies(args: argparse.Namespace) -> list[int]:
+    if args.sweep is None:
+        values = [args.concurrency]
+    else:
+        try:
+            values = [int(v) for v in args.sweep.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--sweep takes comma-separated concurrencies, not {args.sweep!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError("concurrency must be at least 1")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ValueError("--num-requests must be at least 1")
+    if args.duration is not None and args.duration <= 0:
+        raise ValueError("--duration must be positive")
+    return values
+
+
+def _form_fields(items: list[str]) -> list[tuple[str, str]]:
+    fields = []
+    for item in items:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise ValueError(f"--field takes NAME=VALUE, not {item!r}")
+        fields.append((name, value))
+    return fields
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as error:
+        raise RuntimeError(f"cannot reach {url}: {error}") from None
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {url}/v1/models answered {response.status_code}; pass --model")
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
+    return models[0]["id"]

@@ -1,0 +1,262 @@
+"""asrserve next to its peers, in one run: same machine, same tiny.en weights, same audio.
+
+    pip install -e '.[bench]'
+    python benchmarks/peers.py [--workloads short,long] [--systems ...] [--repeats 3] [--save-result peers.json]
+
+Workloads (both with reference texts, WER with Whisper's English normaliser):
+  short  32 Harvard sentences spoken by espeak-ng, ~2.4 s each (76 s in all).
+  long   2 recordings of ~112 s: the English recordings of ../shared/audio joined with 0.5 s
+         pauses (real speech; espeak-ng sentences without the folder).
+
+Systems, each in its own process (no thread or allocator settings leak between them), all
+greedy, one decode per 30 s window, no timestamps, no temperature fallback:
+  asrserve-offline[-fp32]    the engine in-process (`ASR`), every file submitted at once
+  asrserve-http              `asrserve serve` as a subprocess, loaded by `asrserve bench`'s load
+                             generator at --concurrency (default 8) with temperature_fallback=false
+  transformers               `WhisperForConditionalGeneration.generate`, batched; its best batch
+                             size of 8/16/32 (long-form generation for the long workload)
+  faster-whisper-*           one file at a time (int8, float32); int8 with two workers on one
+                             thread each (two files at once: its best on 2 cores); and its
+                             BatchedInferencePipeline (int8, batch 8)
+
+RTFx = seconds of audio / wall seconds for the whole set, the median of --repeats passes after
+a warm-up (asrserve-http: --repeats passes' worth of requests in one timed run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asrserve import ASR
+from asrserve.audio.decode import load_audio
+from asrserve.benchmark.load_generator import LoadSpec, run_load
+from asrserve.benchmark.report import summarize
+from asrserve.benchmark.wer import corpus_wer, english_normalizer
+from asrserve.benchmark.workload import load_workload, read_manifest
+from asrserve.config import cpu_has_native_bf16
+from asrserve.model.loader import _bundled
+from asrserve.model.tokenizer import WhisperTokenizer
+from benchmarks.workloads import long_recordings, short_clips, write_manifest
+
+FAST_DTYPE = "bfloat16" if cpu_has_native_bf16() else "float32"  # what --dtype auto picks here
+
+
+def timed(run, audios, repeats: int) -> tuple[float, list[str]]:
+    """Median wall time of `repeats` passes over all files, after a warm-up on a few."""
+    run(audios[: min(4, len(audios))])
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        texts = run(audios)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls), texts
+
+
+def asrserve_offline(dtype: str):
+    asr = ASR(dtype=dtype, max_num_seqs=64, max_encoder_batch=8)
+    return {"dtype": dtype}, lambda audios: [t.text for t in asr.transcribe(audios, fallback=False)]
+
+
+def transformers_generate(batch_size: int, long_form: bool):
+    from transformers import WhisperFeatureExtractor
+
+    from tests.hf_reference import bundled_hf_model
+
+    model, generation = bundled_hf_model("tiny.en")
+    dtype = getattr(torch, FAST_DTYPE)
+    model = model.to(dtype)
+    extractor = WhisperFeatureExtractor()
+    tokenizer = WhisperTokenizer.from_dir(_bundled("tiny.en").directories[0], model.config.vocab_size)
+
+    def run(audios):
+        texts = []
+        for start in range(0, len(audios), batch_size):
+            batch = audios[start:start + batch_size]
+            if long_form:  # more than 30 s: transformers' sequential long-form generation
+                inputs = extractor(batch, sampling_rate=16000, return_tensors="pt", truncation=False,
+                                   padding="longest", return_attention_mask=True)
+                options = dict(attention_mask=inputs.attention_mask, return_timestamps=True,
+                               condition_on_prev_tokens=False)
+            else:
+                inputs = extractor(batch, sampling_rate=16000, return_tensors="pt")
+                options = dict(return_timestamps=False)
+            with torch.inference_mode():
+                out = model.generate(inputs.input_features.to(dtype), generation_config=generation, **options)
+            texts += [tokenizer.decode(row) for row in out.tolist()]
+        return texts
+
+    return {"dtype": FAST_DTYPE, "batch_size": batch_size}, run
+
+
+def faster_whisper(compute_type: str, workers: int = 1, batched: bool = False):
+    from faster_whisper import BatchedInferencePipeline, WhisperModel
+
+    directory = str(_bundled("tiny.en").directories[0])
+    cpus = os.cpu_count() or 2
+    model = WhisperModel(directory, device="cpu", compute_type=compute_type, cpu_threads=max(1, cpus // workers),
+                         num_workers=workers)
+    options = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=True,
+                   condition_on_previous_text=False)
+    config = {"compute_type": compute_type, "workers": workers, "cpu_threads": max(1, cpus // workers)}
+    if batched:
+        pipeline = BatchedInferencePipeline(model)
+        # The pipeline batches the VAD segments of one input: one segment per short clip.
+        one = lambda audio: "".join(s.text for s in pipeline.transcribe(audio, batch_size=8, **options)[0])  # noqa: E731
+        return config | {"batch_size": 8}, lambda audios: [one(a) for a in audios]
+    one = lambda audio: "".join(s.text for s in model.transcribe(audio, vad_filter=False, **options)[0])  # noqa: E731
+    if workers == 1:
+        return config, lambda audios: [one(a) for a in audios]
+    pool = ThreadPoolExecutor(workers)
+    return config, lambda audios: list(pool.map(one, audios))
+
+
+FACTORIES = {
+    "asrserve-offline": lambda long: asrserve_offline(FAST_DTYPE),
+    "asrserve-offline-fp32": lambda long: asrserve_offline("float32"),
+    "transformers": None,  # chooses its batch size in measure()
+    "faster-whisper-int8": lambda long: faster_whisper("int8"),
+    "faster-whisper-fp32": lambda long: faster_whisper("float32"),
+    "faster-whisper-int8-2workers": lambda long: faster_whisper("int8", workers=2),
+    "faster-whisper-batched-int8": lambda long: faster_whisper("int8", batched=True),
+}
+SYSTEMS = ["asrserve-offline", "asrserve-offline-fp32", "asrserve-http", *list(FACTORIES)[2:]]
+
+
+def measure_in_process(name: str, directory: Path, repeats: int, long: bool) -> dict:
+    references = read_manifest(directory / "manifest.tsv")
+    audios = [load_audio(directory / file) for file in references]
+    if name == "transformers":
+        sizes = [2] if long else [8, 16, 32]
+        tried = {}
+        for size in sizes:  # its best batch size, on one timed pass each
+            config, run = transformers_generate(size, long)
+            tried[size] = timed(run, audios, 1)[0]
+        config, run = transformers_generate(min(tried, key=tried.get), long)
+        config["batch_sizes_tried"] = {str(k): round(v, 2) for k, v in tried.items()}
+    else:
+        config, run = FACTORIES[name](long)
+    wall, texts = timed(run, audios, repeats)
+    audio_seconds = sum(len(a) for a in audios) / 16000
+    return {
+        "system": name, "config": config, "audio_seconds": audio_seconds, "wall_seconds": wall,
+        "rtfx": audio_seconds / wall, "wer": corpus_wer(list(references.values()), texts, english_normalizer()),
+    }
+
+
+def measure_http(directory: Path, repeats: int, concurrency: int) -> dict:
+    from tests.server_utils import ServerProcess
+
+    files = load_workload(directory, directory / "manifest.tsv")
+    server = ServerProcess(["--dtype", FAST_DTYPE, "--max-num-seqs", "64"])
+    try:
+        server.wait_ready()
+        spec = LoadSpec(url=server.url, model="tiny.en", concurrency=concurrency, progress=False,
+                        num_requests=min(8, len(files)), fields=(("temperature_fallback", "false"),))
+        asyncio.run(run_load(spec, files))  # warm-up
+        spec = LoadSpec(**(spec.__dict__ | {"num_requests": max(len(files) * repeats, 2 * concurrency)}))
+        summary = summarize(asyncio.run(run_load(spec, files)), files)
+    finally:
+        server.stop()
+    return {
+        "system": "asrserve-http", "config": {"dtype": FAST_DTYPE, "concurrency": concurrency},
+        "audio_seconds": summary["audio_seconds"], "wall_seconds": summary["wall_seconds"],
+        "rtfx": summary["rtfx"], "wer": summary.get("wer"), "failed": summary["failed"],
+        "latency_ms": summary["latency_ms"],
+    }
+
+
+def run_workload(workload: str, systems: list[str], repeats: int, concurrency: int) -> list[dict]:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        references = short_clips(32, directory) if workload == "short" else long_recordings(2, 90, directory)
+        write_manifest(directory, references)
+        print(f"\n{workload}: {len(references)} files", flush=True)
+        print(f"{'system':<32}{'audio s':>9}{'wall s':>9}{'RTFx':>8}{'WER %':>8}", flush=True)
+        for name in systems:
+            if name == "asrserve-http":
+                result = measure_http(directory, repeats, concurrency)
+            else:
+                worker = subprocess.run(
+                    [sys.executable, __file__, "--worker", name, "--dir", tmp, "--repeats", str(repeats)]
+                    + (["--long"] if workload == "long" else []),
+                    capture_output=True, text=True,
+                )
+                if worker.returncode != 0:
+                    print(f"{name:<32} failed:\n{worker.stderr[-2000:]}", flush=True)
+                    continue
+                result = json.loads(worker.stdout.strip().splitlines()[-1])
+            results.append(result | {"workload": workload})
+            print(f"{name:<32}{result['audio_seconds']:>9.1f}{result['wall_seconds']:>9.2f}{result['rtfx']:>8.1f}"
+                  f"{100 * (result['wer'] or 0):>8.1f}", flush=True)
+    return results
+
+
+def ratios(results: list[dict]) -> dict:
+    """asrserve's RTFx over each peer's, per workload; and over the best faster-whisper."""
+    out = {}
+    for workload in sorted({r["workload"] for r in results}):
+        rows = {r["system"]: r["rtfx"] for r in results if r["workload"] == workload}
+        peers = {k: v for k, v in rows.items() if not k.startswith("asrserve")}
+        fw = {k: v for k, v in peers.items() if k.startswith("faster-whisper")}
+        for ours in ("asrserve-http", "asrserve-offline"):
+            if ours in rows:
+                if fw:
+                    out[f"{workload}: {ours} / best faster-whisper"] = round(rows[ours] / max(fw.values()), 2)
+                for peer, rtfx in peers.items():
+                    out[f"{workload}: {ours} / {peer}"] = round(rows[ours] / rtfx, 2)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="short,long")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per system; the median is reported")
+    parser.add_argument("--concurrency", type=int, default=8, help="asrserve-http: requests in flight")
+    parser.add_argument("--save-result", type=Path, default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--long", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:  # one system, in its own process
+        print(json.dumps(measure_in_process(args.worker, args.dir, args.repeats, args.long)))
+        return
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        sys.exit(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    print(f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
+          f"asrserve dtype {FAST_DTYPE}")
+    results = []
+    for workload in args.workloads.split(","):
+        results += run_workload(workload, systems, args.repeats, args.concurrency)
+    summary = ratios(results)
+    print()
+    for key, value in summary.items():
+        print(f"{key:<64}{value:>6}")
+    if args.save_result:
+        args.save_result.write_text(json.dumps({
+            "cpus": os.cpu_count(), "repeats": args.repeats, "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(), "results": results, "ratios": summary,
+        }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The audio the benchmarks send: short spoken sentences, and long recordings of real speech.
+
+Both come with reference texts, so every benchmark reports WER next to speed."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import soundfile
+
+from asrserve.audio.decode import load_audio
+from asrserve.config import SAMPLE_RATE
+
+SHARED_AUDIO = Path(__file__).resolve().parents[2] / "shared" / "audio"
+
+# Harvard sentences, lists 1-4 (public domain).
+HARVARD = [
+    "The birch canoe slid on the smooth planks.", "Glue the sheet to the dark blue background.",
+    "It's easy to tell the depth of a well.", "These days a chicken leg is a rare dish.",
+    "Rice is often served in round bowls.", "The juice of lemons makes fine punch.",
+    "The box was thrown beside the parked truck.", "The hogs were fed chopped corn and garbage.",
+    "Four hours of steady work faced us.", "A large size in stockings is hard to sell.",
+    "The boy was there when the sun rose.", "A rod is used to catch pink salmon.",
+    "The source of the huge river is the clear spring.", "Kick the ball straight and follow through.",
+    "Help the woman get back to her feet.", "A pot of tea helps to pass the evening.",
+    "Smoky fires lack flame and heat.", "The soft cushion broke the man's fall.",
+    "The salt breeze came across from the sea.", "The girl at the booth sold fifty bonds.",
+    "The small pup gnawed a hole in the sock.", "The fish twisted and turned on the bent hook.",
+    "Press the pants and sew a button on the vest.", "The swan dive was far short of perfect.",
+    "The beauty of the view stunned the young boy.", "Two blue fish swam in the tank.",
+    "Her purse was full of useless trash.", "The colt reared and threw the tall rider.",
+    "It snowed, rained, and hailed the same morning.", "Read verse out loud for pleasure.",
+    "Hoist the load to your left shoulder.", "Take the winding path to reach the lake.",
+]
+
+
+def write_manifest(directory: Path, references: dict[str, str]) -> Path:
+    """manifest.tsv (file, text) for `asrserve bench --manifest`."""
+    path = directory / "manifest.tsv"
+    with open(path, "w", encoding="utf-8") as file:
+        file.write("file\ttext\n")
+        for name, text in references.items():
+            file.write(f"{name}\t{text}\n")
+    return path
+
+
+def short_clips(count: int, directory: Path) -> dict[str, str]:
+    """`count` Harvard sentences spoken by espeak-ng (~2.4 s each) as wav files in `directory`:
+    file name -> the sentence."""
+    references = {}
+    for i in range(count):
+        text = HARVARD[i % len(HARVARD)]
+        name = f"clip{i:02d}.wav"
+        subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(directory / name), text], check=True, capture_output=True)
+        references[name] = text
+    return references
+
+
+def english_recordings() -> list[tuple[np.ndarray, str]]:
+    """The English recordings of ../shared/audio with their reference texts ([] without it)."""
+    manifest = SHARED_AUDIO / "manifest.tsv"
+    if not manifest.is_file():
+        return []
+    with open(manifest, encoding="utf-8") as file:
+        rows = [row for row in csv.DictReader(file, delimiter="\t") if row["language"] == "en"]
+    return [(load_audio(SHARED_AUDIO / row["file"]), row["reference_transcript"]) for row in rows]
+
+
+def long_recordings(count: int, min_seconds: float, directory: Path) -> dict[str, str]:
+    """`count` recordings of at least `min_seconds`: real speech (../shared/audio's English
+    recordings joined with 0.5 s pauses, each recording starting the cycle at a different one),
+    or espeak-ng sentences without the folder. File name -> reference text."""
+    pieces = english_recordings()
+    if not pieces:
+        names = short_clips(len(HARVARD), directory)
+        pieces = [(load_audio(directory / name), text) for name, text in names.items()]
+    pause = np.zeros(SAMPLE_RATE // 2, np.float32)
+    references = {}
+    for index in range(count):
+        audio, texts = [], []
+        order = pieces[index % len(pieces):] + pieces[: index % len(pieces)]
+        while sum(len(a) for a in audio) < min_seconds * SAMPLE_RATE:
+            for samples, text in order:
+                audio += [samples, pause]
+                texts.append(text)
+        name = f"long{index}.wav"
+        soundfile.write(directory / name, np.concatenate(audio), SAMPLE_RATE)
+        references[name] = " ".join(texts)
+    return references
