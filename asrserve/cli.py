@@ -27,6 +27,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
                        help="auto (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32), "
                        "float32 (exact), bfloat16 or float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                       help="compile the audio encoder at start-up (torch.compile, ~10 s): auto does so on CPU "
+                       "with bfloat16 when a C++ compiler is installed")
     group.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together per step")
     group.add_argument("--max-encoder-batch", type=int, default=8, help="audios per encoder forward")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -142,7 +145,7 @@ def _transcribe(args: argparse.Namespace) -> int:
 
     try:
         asr = ASR(
-            args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+            args.model, dtype=args.dtype, device=args.device, load_format=args.load_format, compile=args.compile,
             max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         )
@@ -222,7 +225,10 @@ def _serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
         )
         engine_config = EngineConfig(
-            model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format),
+            model=ModelConfig(
+                model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                compile=args.compile,
+            ),
             cache=CacheConfig(
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb
             ),

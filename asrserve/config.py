@@ -75,10 +75,15 @@ class ModelConfig:
     device: str = "auto"
     revision: str | None = None
     download_dir: str | None = None
+    # Compile the audio encoder with torch.compile (inductor) at start-up: "auto" does so on
+    # CPU with bfloat16 weights when a C++ compiler is there, "on" insists, "off" never.
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load format {self.load_format!r}; choose auto or dummy")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"unknown compile mode {self.compile!r}; choose auto, on or off")
 
 
 @dataclass

@@ -255,3 +255,34 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert config.resolve_dtype("auto", cpu) == torch.float32
     assert config.resolve_dtype("float32", cpu) == torch.float32
+
+
+def test_compiled_encoder_matches_eager(monkeypatch):
+    """--compile: the encoder compiled (inductor, frozen weights) gives the eager bf16 outputs
+    within bf16 rounding, audio by audio, and falls back to eager where compiling fails."""
+    import torch
+
+    from asrserve.config import ModelConfig
+    from asrserve.model.encoder_compile import compiled_encoder, should_compile
+    from asrserve.model.loader import load_model
+
+    cpu = torch.device("cpu")
+    assert not should_compile("auto", cpu, torch.float32) and not should_compile("off", cpu, torch.bfloat16)
+    if not should_compile("auto", cpu, torch.bfloat16):
+        pytest.skip("no C++ compiler or no bf16 CPU: auto does not compile here")
+    encoder = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
+    mel = torch.randn(3, 80, 3000, generator=torch.Generator().manual_seed(0)).bfloat16()
+    encode = compiled_encoder(encoder, 80, cpu, torch.bfloat16, "auto")
+    assert encode is not encoder
+    with torch.inference_mode():
+        eager, compiled = encoder(mel).float(), encode(mel).float()
+    assert compiled.shape == eager.shape == (3, 1500, 384)
+    assert (compiled - eager).abs().mean() < 0.02 and (compiled - eager).abs().max() < 1.0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: broken)
+    assert compiled_encoder(encoder, 80, cpu, torch.bfloat16, "auto") is encoder
+    with pytest.raises(RuntimeError, match="no compiler"):
+        compiled_encoder(encoder, 80, cpu, torch.bfloat16, "on")

@@ -74,9 +74,10 @@ class ASR:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
+        compile: str = "auto",
     ):
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, load_format=load_format),
+            model=ModelConfig(model=model, dtype=dtype, device=device, load_format=load_format, compile=compile),
             cache=CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb
             ),

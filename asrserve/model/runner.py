@@ -22,6 +22,7 @@ from asrserve.model.attention import (
     GatherBuffers,
     build_self_attn_mask,
 )
+from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.model.sampler import Sampler, SamplerOutput
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.padding_multiple = config.batch_invariant_padding
         self.log_mel = LogMelSpectrogram(self.dims.n_mels, device)
+        self.encode = compiled_encoder(self.model.encoder, self.dims.n_mels, device, dtype, config.model.compile)
         self.sampler = Sampler(
             loaded.generation.suppress_tokens,
             loaded.generation.begin_suppress_tokens,
@@ -185,7 +187,7 @@ class ModelRunner:
     def _run_encoder(self, requests: list[Request]) -> None:
         """One encoder forward for all new audios: [N, n_mels, 3000] -> [N, 1500, d]."""
         mel = self.log_mel([r.audio for r in requests]).to(self.dtype)
-        encoded = self.model.encoder(mel)
+        encoded = self.encode(mel)
         self.encoder_batch_sizes[len(requests)] += 1
         for request, output in zip(requests, encoded):
             assert request.request_id not in self.encoder_outputs, request
