@@ -9,7 +9,9 @@ Workloads (both with reference texts, WER with Whisper's English normaliser):
          pauses (real speech; espeak-ng sentences without the folder).
 
 Systems, each in its own process (no thread or allocator settings leak between them), all
-greedy, one decode per 30 s window, no timestamps, no temperature fallback:
+greedy, one decode per 30 s window, no temperature fallback; short clips without timestamps,
+long audio with them (Whisper's long-form mode: without timestamp tokens, tiny.en drops whole
+sentences of a dense 30 s window, and every system's WER is near 50%):
   asrserve-offline[-fp32]    the engine in-process (`ASR`), every file submitted at once
   asrserve-http              `asrserve serve` as a subprocess, loaded by `asrserve bench`'s load
                              generator at --concurrency (default 8) with temperature_fallback=false
@@ -67,9 +69,10 @@ def timed(run, audios, repeats: int) -> tuple[float, list[str]]:
     return statistics.median(walls), texts
 
 
-def asrserve_offline(dtype: str):
+def asrserve_offline(dtype: str, timestamps: bool):
     asr = ASR(dtype=dtype, max_num_seqs=64, max_encoder_batch=8)
-    return {"dtype": dtype}, lambda audios: [t.text for t in asr.transcribe(audios, fallback=False)]
+    run = lambda audios: [t.text for t in asr.transcribe(audios, fallback=False, timestamps=timestamps)]  # noqa: E731
+    return {"dtype": dtype, "timestamps": timestamps}, run
 
 
 def transformers_generate(batch_size: int, long_form: bool):
@@ -103,16 +106,17 @@ def transformers_generate(batch_size: int, long_form: bool):
     return {"dtype": FAST_DTYPE, "batch_size": batch_size}, run
 
 
-def faster_whisper(compute_type: str, workers: int = 1, batched: bool = False):
+def faster_whisper(compute_type: str, timestamps: bool, workers: int = 1, batched: bool = False):
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
     directory = str(_bundled("tiny.en").directories[0])
     cpus = os.cpu_count() or 2
     model = WhisperModel(directory, device="cpu", compute_type=compute_type, cpu_threads=max(1, cpus // workers),
                          num_workers=workers)
-    options = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=True,
+    options = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=not timestamps,
                    condition_on_previous_text=False)
-    config = {"compute_type": compute_type, "workers": workers, "cpu_threads": max(1, cpus // workers)}
+    config = {"compute_type": compute_type, "workers": workers, "cpu_threads": max(1, cpus // workers),
+              "timestamps": timestamps}
     if batched:
         pipeline = BatchedInferencePipeline(model)
         # The pipeline batches the VAD segments of one input: one segment per short clip.
@@ -126,13 +130,13 @@ def faster_whisper(compute_type: str, workers: int = 1, batched: bool = False):
 
 
 FACTORIES = {
-    "asrserve-offline": lambda long: asrserve_offline(FAST_DTYPE),
-    "asrserve-offline-fp32": lambda long: asrserve_offline("float32"),
+    "asrserve-offline": lambda long: asrserve_offline(FAST_DTYPE, timestamps=long),
+    "asrserve-offline-fp32": lambda long: asrserve_offline("float32", timestamps=long),
     "transformers": None,  # chooses its batch size in measure()
-    "faster-whisper-int8": lambda long: faster_whisper("int8"),
-    "faster-whisper-fp32": lambda long: faster_whisper("float32"),
-    "faster-whisper-int8-2workers": lambda long: faster_whisper("int8", workers=2),
-    "faster-whisper-batched-int8": lambda long: faster_whisper("int8", batched=True),
+    "faster-whisper-int8": lambda long: faster_whisper("int8", timestamps=long),
+    "faster-whisper-fp32": lambda long: faster_whisper("float32", timestamps=long),
+    "faster-whisper-int8-2workers": lambda long: faster_whisper("int8", timestamps=long, workers=2),
+    "faster-whisper-batched-int8": lambda long: faster_whisper("int8", timestamps=long, batched=True),
 }
 SYSTEMS = ["asrserve-offline", "asrserve-offline-fp32", "asrserve-http", *list(FACTORIES)[2:]]
 
@@ -158,7 +162,7 @@ def measure_in_process(name: str, directory: Path, repeats: int, long: bool) -> 
     }
 
 
-def measure_http(directory: Path, repeats: int, concurrency: int) -> dict:
+def measure_http(directory: Path, repeats: int, concurrency: int, long: bool) -> dict:
     from tests.server_utils import ServerProcess
 
     files = load_workload(directory, directory / "manifest.tsv")
@@ -166,6 +170,7 @@ def measure_http(directory: Path, repeats: int, concurrency: int) -> dict:
     try:
         server.wait_ready()
         spec = LoadSpec(url=server.url, model="tiny.en", concurrency=concurrency, progress=False,
+                        response_format="verbose_json" if long else "json",
                         num_requests=min(8, len(files)), fields=(("temperature_fallback", "false"),))
         asyncio.run(run_load(spec, files))  # warm-up
         spec = LoadSpec(**(spec.__dict__ | {"num_requests": max(len(files) * repeats, 2 * concurrency)}))
@@ -173,7 +178,7 @@ def measure_http(directory: Path, repeats: int, concurrency: int) -> dict:
     finally:
         server.stop()
     return {
-        "system": "asrserve-http", "config": {"dtype": FAST_DTYPE, "concurrency": concurrency},
+        "system": "asrserve-http", "config": {"dtype": FAST_DTYPE, "concurrency": concurrency, "timestamps": long},
         "audio_seconds": summary["audio_seconds"], "wall_seconds": summary["wall_seconds"],
         "rtfx": summary["rtfx"], "wer": summary.get("wer"), "failed": summary["failed"],
         "latency_ms": summary["latency_ms"],
@@ -190,7 +195,7 @@ def run_workload(workload: str, systems: list[str], repeats: int, concurrency: i
         print(f"{'system':<32}{'audio s':>9}{'wall s':>9}{'RTFx':>8}{'WER %':>8}", flush=True)
         for name in systems:
             if name == "asrserve-http":
-                result = measure_http(directory, repeats, concurrency)
+                result = measure_http(directory, repeats, concurrency, workload == "long")
             else:
                 worker = subprocess.run(
                     [sys.executable, __file__, "--worker", name, "--dir", tmp, "--repeats", str(repeats)]

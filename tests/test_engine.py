@@ -258,7 +258,7 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch):
 
 
 def test_compiled_encoder_matches_eager(monkeypatch):
-    """--compile: the encoder compiled (inductor, frozen weights) gives the eager bf16 outputs
+    """--compile: the encoder compiled (inductor) gives the eager bf16 outputs
     within bf16 rounding, audio by audio, and falls back to eager where compiling fails."""
     import torch
 

@@ -192,6 +192,7 @@ class TextDecoder(nn.Module):
         for index, layer in enumerate(self.layers):
             layer.encoder_attn.layer_index = index  # which alignment heads are its own
         self.layer_norm = nn.LayerNorm(d_model)
+        self._fp32_output_weight: torch.Tensor | None = None  # CPU, 16-bit weights: see compute_logits
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -208,8 +209,17 @@ class TextDecoder(nn.Module):
             layer.encoder_attn.write_cross_kv(flat, layer_cache, slot_mapping)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The output projection is tied to the token embedding.
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        # The output projection is tied to the token embedding. On CPU with 16-bit weights it
+        # runs in fp32 (over a cached fp32 copy of the embedding): bf16 logits are rounded to
+        # 1/8 near 20, which ties and flips greedy choices. With fp32 logits tiny.en's bf16
+        # transcripts of real speech equal its fp32 ones (benchmarks/dtype_accuracy.py); the
+        # step pays ~2 ms for reading twice the bytes.
+        weight = self.embed_tokens.weight
+        if hidden.device.type == "cpu" and weight.dtype != torch.float32:
+            if self._fp32_output_weight is None:
+                self._fp32_output_weight = weight.float()
+            return F.linear(hidden.float(), self._fp32_output_weight)
+        return F.linear(hidden, weight).float()
 
 
 class Whisper(nn.Module):
