@@ -15,6 +15,7 @@ import httpx
 
 from asrserve.benchmark.load_generator import LoadSpec, run_load
 from asrserve.benchmark.report import format_table, plot_sweep, summarize
+from asrserve.benchmark.wer import english_normalizer
 from asrserve.benchmark.workload import load_workload
 
 
@@ -23,6 +24,10 @@ def run_bench(args: argparse.Namespace) -> int:
         concurrencies = _concurrencies(args)
         fields = _form_fields(args.field)
         files = load_workload(args.audio_dir, args.manifest)
+        if any(f.reference is not None for f in files):
+            english_normalizer()  # fail now, not after the run, when WER cannot be computed
+        if args.sweep:
+            _check_plotting()
         model = args.model or _first_model(args.url, args.api_key)
     except (ValueError, RuntimeError) as error:
         print(f"asrserve bench: error: {error}", file=sys.stderr)
@@ -57,9 +62,6 @@ def run_bench(args: argparse.Namespace) -> int:
             summaries.append(summary)
             print(f"concurrency {concurrency}: RTFx {summary['rtfx']}, p99 {summary['latency_ms']['p99']} ms, "
                   f"{summary['failed']} failed", file=sys.stderr, flush=True)
-    except RuntimeError as error:  # e.g. WER asked for without the normaliser installed
-        print(f"asrserve bench: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("asrserve bench: interrupted", file=sys.stderr)
         return 130
@@ -104,6 +106,13 @@ def _concurrencies(args: argparse.Namespace) -> list[int]:
     if args.duration is not None and args.duration <= 0:
         raise ValueError("--duration must be positive")
     return values
+
+
+def _check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--sweep draws its plot with matplotlib: pip install 'asrserve[bench]'") from None
 
 
 def _form_fields(items: list[str]) -> list[tuple[str, str]]:
