@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,8 @@ def compiled_encoder(encoder: torch.nn.Module, n_mels: int, device: torch.device
     if not should_compile(mode, device, dtype):
         return encoder
     compiled = torch.compile(encoder, dynamic=False)
+    started = time.perf_counter()
+    logger.info("compiling the audio encoder (--compile %s)", mode)
     try:
         with torch.inference_mode():
             compiled(torch.zeros(1, n_mels, N_FRAMES, dtype=dtype, device=device))
@@ -56,6 +59,7 @@ def compiled_encoder(encoder: torch.nn.Module, n_mels: int, device: torch.device
         logger.warning("compiling the encoder failed, running it eagerly: %s", str(error).splitlines()[0])
         torch._dynamo.reset()
         return encoder
+    logger.info("compiled the audio encoder in %.1f s", time.perf_counter() - started)
 
     def encode(mel: torch.Tensor) -> torch.Tensor:
         return torch.cat([compiled(mel[i:i + 1]) for i in range(mel.shape[0])])
