@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from asrserve.benchmark.wer import word_errors as edit_distance
+
 _NUMBERS = {str(i): w for i, w in enumerate("zero one two three four five six seven eight nine ten".split())}
 
 
@@ -13,14 +15,8 @@ def normalize(text: str) -> list[str]:
 
 
 def word_errors(reference: str, hypothesis: str) -> tuple[int, int]:
-    ref, hyp = normalize(reference), normalize(hypothesis)
-    previous = list(range(len(hyp) + 1))
-    for i, ref_word in enumerate(ref, 1):
-        current = [i] + [0] * len(hyp)
-        for j, hyp_word in enumerate(hyp, 1):
-            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ref_word != hyp_word))
-        previous = current
-    return previous[-1], len(ref)
+    ref = normalize(reference)
+    return edit_distance(ref, normalize(hypothesis)), len(ref)
 
 
 def corpus_wer(references: list[str], hypotheses: list[str]) -> float:
