@@ -30,7 +30,8 @@ def main() -> None:
     normalize = english_normalizer()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        sets = {"real speech": ([a for a, _ in english_recordings()], [t for _, t in english_recordings()], False)}
+        recordings = english_recordings()
+        sets = {"real speech": ([a for a, _ in recordings], [t for _, t in recordings], False)}
         clips = short_clips(32, directory)
         sets["Harvard clips"] = ([directory / name for name in clips], list(clips.values()), False)
         longs = long_recordings(2, 90, directory)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -75,7 +76,8 @@ def asrserve_offline(dtype: str, timestamps: bool):
     return {"dtype": dtype, "timestamps": timestamps}, run
 
 
-def transformers_generate(batch_size: int, long_form: bool):
+def transformers_generate(long_form: bool):
+    """The model loaded once; returns run(batch_size) -> (config, transcribe function)."""
     from transformers import WhisperFeatureExtractor
 
     from tests.hf_reference import bundled_hf_model
@@ -86,7 +88,7 @@ def transformers_generate(batch_size: int, long_form: bool):
     extractor = WhisperFeatureExtractor()
     tokenizer = WhisperTokenizer.from_dir(_bundled("tiny.en").directories[0], model.config.vocab_size)
 
-    def run(audios):
+    def run(audios, batch_size):
         texts = []
         for start in range(0, len(audios), batch_size):
             batch = audios[start:start + batch_size]
@@ -103,7 +105,8 @@ def transformers_generate(batch_size: int, long_form: bool):
             texts += [tokenizer.decode(row) for row in out.tolist()]
         return texts
 
-    return {"dtype": FAST_DTYPE, "batch_size": batch_size}, run
+    return lambda batch_size: ({"dtype": FAST_DTYPE, "batch_size": batch_size},
+                               lambda audios: run(audios, batch_size))
 
 
 def faster_whisper(compute_type: str, timestamps: bool, workers: int = 1, batched: bool = False):
@@ -145,12 +148,12 @@ def measure_in_process(name: str, directory: Path, repeats: int, long: bool) -> 
     references = read_manifest(directory / "manifest.tsv")
     audios = [load_audio(directory / file) for file in references]
     if name == "transformers":
+        with_batch_size = transformers_generate(long)
         sizes = [2] if long else [8, 16, 32]
         tried = {}
         for size in sizes:  # its best batch size, on one timed pass each
-            config, run = transformers_generate(size, long)
-            tried[size] = timed(run, audios, 1)[0]
-        config, run = transformers_generate(min(tried, key=tried.get), long)
+            tried[size] = timed(with_batch_size(size)[1], audios, 1)[0]
+        config, run = with_batch_size(min(tried, key=tried.get))
         config["batch_sizes_tried"] = {str(k): round(v, 2) for k, v in tried.items()}
     else:
         config, run = FACTORIES[name](long)
@@ -173,7 +176,7 @@ def measure_http(directory: Path, repeats: int, concurrency: int, long: bool) ->
                         response_format="verbose_json" if long else "json",
                         num_requests=min(8, len(files)), fields=(("temperature_fallback", "false"),))
         asyncio.run(run_load(spec, files))  # warm-up
-        spec = LoadSpec(**(spec.__dict__ | {"num_requests": max(len(files) * repeats, 2 * concurrency)}))
+        spec = dataclasses.replace(spec, num_requests=max(len(files) * repeats, 2 * concurrency))
         summary = summarize(asyncio.run(run_load(spec, files)), files)
     finally:
         server.stop()

@@ -79,15 +79,19 @@ def format_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(summaries: list[dict], path: Path, title: str) -> Path:
-    """RTFx and p99 latency against concurrency, side by side, as a PNG."""
+def require_matplotlib():
     try:
         import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--sweep draws its plot with matplotlib: pip install 'asrserve[bench]'") from None
+    return matplotlib
+
+
+def plot_sweep(summaries: list[dict], path: Path, title: str) -> Path:
+    """RTFx and p99 latency against concurrency, side by side, as a PNG."""
+    matplotlib = require_matplotlib()
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
     concurrency = [s["concurrency"] for s in summaries]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(concurrency, [s["rtfx"] for s in summaries], marker="o")

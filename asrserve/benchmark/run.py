@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from asrserve.benchmark.load_generator import LoadSpec, run_load
-from asrserve.benchmark.report import format_table, plot_sweep, summarize
+from asrserve.benchmark.report import format_table, plot_sweep, require_matplotlib, summarize
 from asrserve.benchmark.wer import english_normalizer
 from asrserve.benchmark.workload import load_workload
 
@@ -27,7 +27,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if any(f.reference is not None for f in files):
             english_normalizer()  # fail now, not after the run, when WER cannot be computed
         if args.sweep:
-            _check_plotting()
+            require_matplotlib()  # fail now, not after the run
         model = args.model or _first_model(args.url, args.api_key)
     except (ValueError, RuntimeError) as error:
         print(f"asrserve bench: error: {error}", file=sys.stderr)
@@ -106,13 +106,6 @@ def _concurrencies(args: argparse.Namespace) -> list[int]:
     if args.duration is not None and args.duration <= 0:
         raise ValueError("--duration must be positive")
     return values
-
-
-def _check_plotting() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise RuntimeError("--sweep draws its plot with matplotlib: pip install 'asrserve[bench]'") from None
 
 
 def _form_fields(items: list[str]) -> list[tuple[str, str]]:

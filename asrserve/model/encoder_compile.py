@@ -36,7 +36,8 @@ def should_compile(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if mode == "on":
         return True
-    has_compiler = any(shutil.which(name) for name in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+    compilers = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    has_compiler = any(shutil.which(name) for name in compilers if name)
     return device.type == "cpu" and dtype == torch.bfloat16 and has_compiler
 
 
