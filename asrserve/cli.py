@@ -94,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-audio-duration-s", type=float, default=600.0, help="longest audio accepted")
     http.add_argument("--max-waiting-requests", type=int, default=128,
                       help="requests accepted but not yet producing text; past this, 429 with Retry-After")
+    http.add_argument("--upload-idle-timeout-s", type=float, default=30.0,
+                      help="an upload that sends nothing for this long gets 408")
+    http.add_argument("--graceful-shutdown-timeout-s", type=float, default=30.0,
+                      help="on SIGTERM, seconds requests in flight get to finish before they are cancelled")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                      help="log one line per HTTP request")
     _add_engine_args(serve, model_flag=False)
     _defaults_from_environment(serve)
 
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 ENV_PREFIX = "ASRSERVE_"
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +131,11 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
         value = os.environ.get(name)
         if value is None or value == "":
             continue
-        if action.nargs in ("+", "*"):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+                parser.error(f"{name}={value!r}: use true or false")
+            action.default = value.lower() in TRUE_WORDS
+        elif action.nargs in ("+", "*"):
             items = [item.strip() for item in value.split(",") if item.strip()]
             action.default = [action.type(item) if action.type else item for item in items]
         else:
@@ -222,7 +233,9 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, served_model_names=args.served_model_name, api_keys=args.api_key or [],
             preprocess_workers=args.preprocess_workers, max_audio_filesize_mb=args.max_audio_filesize_mb,
             max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
-            log_level=args.log_level,
+            upload_idle_timeout_s=args.upload_idle_timeout_s,
+            graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
+            access_log=args.access_log,
         )
         engine_config = EngineConfig(
             model=ModelConfig(

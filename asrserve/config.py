@@ -150,7 +150,14 @@ class ServerConfig:
     max_waiting_requests: int = 128
     # After the engine process dies: seconds /health answers 503 before the server exits.
     engine_death_grace_s: float = 2.0
+    # On SIGTERM: stop accepting connections, then give requests in flight this long to
+    # finish before they are cancelled (keep it under the orchestrator's own grace period).
+    graceful_shutdown_timeout_s: float = 30.0
+    # An upload that sends nothing for this long is refused with 408 (and frees its slot).
+    upload_idle_timeout_s: float = 30.0
     log_level: str = "info"
+    # One log line per HTTP request (uvicorn's access log); never includes headers or keys.
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -161,3 +168,5 @@ class ServerConfig:
             raise ValueError("max_audio_filesize_mb and max_audio_duration_s must be positive")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0:
+            raise ValueError("graceful_shutdown_timeout_s must be >= 0 and upload_idle_timeout_s positive")

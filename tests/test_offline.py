@@ -181,3 +181,23 @@ def test_cli_multilingual_translation_flags(tmp_path):
     result = _cli("--model", "base", "--language", "de", "--task", "translate", str(clip))
     assert result.returncode == 0, result.stderr
     assert any(word in result.stdout.lower() for word in ("morning", "tomorrow"))
+
+
+def test_digital_silence_is_answered_without_the_model(asr, speech_files, monkeypatch):
+    # Zeros (and anything below one 16-bit step) would be magnified by the log-mel's
+    # normalisation into noise tiny.en reads words in; such pieces never reach the model.
+    speech = load_audio(speech_files[1])
+    silence = np.zeros(35 * 16_000, np.float32)
+    silence[::7] = 1e-5  # below 1/32768: no 16-bit recording holds it
+    executed = []
+    original = asr.engine.runner.execute
+    monkeypatch.setattr(asr.engine.runner, "execute", lambda out: executed.append(out) or original(out))
+    results = asr.transcribe([silence, np.concatenate([silence, speech])], timestamps=True, word_timestamps=True)
+    assert results[0].text == "" and results[0].segments == [] and results[0].duration == 35.0
+    assert {"quick", "lazy"} <= set(results[1].text.lower().split())
+    assert results[1].words[0].start >= 35.0 - 1.0  # the words are where the speech is
+    # Only the one piece with speech ran through the model.
+    assert len({req.request_id for out in executed for req in out.encoder_requests}) == 1
+    for streamed in (True, False):  # decoding once: silence is still silence
+        assert asr.transcribe(silence[:16_000], fallback=streamed)[0].text == ""
+    assert asr.engine.block_manager.num_free_blocks == asr.engine.block_manager.num_blocks

@@ -112,7 +112,7 @@ def _decode_ffmpeg(source, max_duration_s: float | None) -> tuple[np.ndarray, in
             # Planar float at the stream's own rate and channel layout; we mix and resample.
             resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
             chunks, num_samples = [], 0
-            for frame in container.decode(stream):
+            for frame in _decoded_frames(container, stream):
                 for converted in resampler.resample(frame):
                     chunk = converted.to_ndarray()  # [channels, samples]
                     chunks.append(chunk)
@@ -129,6 +129,25 @@ def _decode_ffmpeg(source, max_duration_s: float | None) -> tuple[np.ndarray, in
     if not chunks:
         raise AudioError("audio is empty: it has no samples")
     return np.concatenate(chunks, axis=1).T, rate
+
+
+def _decoded_frames(container, stream):
+    """The stream's frames, packet by packet. A packet that fails to decode (a file cut off
+    mid-frame, a damaged frame) is skipped, as the ffmpeg command does, once earlier packets
+    have decoded; if the first packets fail too, the file is not audio ffmpeg reads."""
+    import av
+
+    decoded_any = False
+    for packet in container.demux(stream):
+        try:
+            frames = packet.decode()
+        except av.error.InvalidDataError:
+            if not decoded_any:
+                raise
+            continue
+        for frame in frames:
+            decoded_any = True
+            yield frame
 
 
 def _check_duration(duration_s: float, max_duration_s: float | None) -> None:

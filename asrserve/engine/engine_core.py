@@ -9,8 +9,8 @@ import numpy as np
 from asrserve.config import EngineConfig, resolve_device, resolve_dtype
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
-from asrserve.engine.request import Request, SamplingParams
-from asrserve.engine.request_checks import check_audio_piece, check_language
+from asrserve.engine.request import DecodeSummary, Request, SamplingParams
+from asrserve.engine.request_checks import check_audio_piece, check_language, is_digital_silence
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
 from asrserve.model.loader import load_model
@@ -34,6 +34,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.encoder_cache, self.tokenizer, self.dims.n_text_ctx
         )
+        # Requests answered without the model (digital silence), returned by the next step.
+        self.finished_without_model: list[RequestOutput] = []
         logger.info(
             "loaded %s from %s on %s (%s); KV pool: %d blocks of %d tokens",
             loaded.name, loaded.source, self.device, str(self.dtype).removeprefix("torch."),
@@ -57,11 +59,15 @@ class EngineCore:
         prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
-        if request_id in self.scheduler.requests:
+        pending_ids = {output.request_id for output in self.finished_without_model}
+        if request_id in self.scheduler.requests or request_id in pending_ids:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sampling_params = sampling_params or SamplingParams()
         check_audio_piece(audio)
         language = self.check_language(language, task)
+        if is_digital_silence(audio):
+            self.finished_without_model.append(self._silence_output(request_id, language))
+            return
         previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         detect_language = language is None and self.is_multilingual
@@ -76,24 +82,35 @@ class EngineCore:
         request.language = language if self.is_multilingual else "en"
         self.scheduler.add(request)
 
+    def _silence_output(self, request_id: str, language: str | None) -> RequestOutput:
+        """No tokens, judged silence: what a decode of digital silence should come to."""
+        summary = DecodeSummary(
+            temperature=0.0, avg_logprob=0.0, compression_ratio=0.0, no_speech_prob=None, no_speech=True,
+            num_attempts=0, token_times=[0.0],
+        )
+        language = language if self.is_multilingual else "en"
+        return RequestOutput(request_id, [], [], True, "stop", language, summary=summary)
+
     def check_language(self, language: str | None, task: str) -> str | None:
         return check_language(self.tokenizer, self.model_name, language, task)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        self.finished_without_model = [o for o in self.finished_without_model if o.request_id != request_id]
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
         return RequestOutput(request_id, [], [], True, "abort", request.language)
 
     def step(self) -> list[RequestOutput]:
+        outputs, self.finished_without_model = self.finished_without_model, []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return outputs
         sampled = self.runner.execute(scheduler_output)
-        return self.scheduler.update(scheduler_output, sampled)
+        return outputs + self.scheduler.update(scheduler_output, sampled)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.finished_without_model) or self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
         """Unfinished requests, or encoder outputs the runner has yet to drop."""

@@ -6,17 +6,21 @@ from __future__ import annotations
 import numpy as np
 
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
-from asrserve.errors import InvalidRequestError
+from asrserve.errors import InvalidRequestError, shown
 from asrserve.model.languages import LANGUAGES, normalize_language
 from asrserve.model.tokenizer import WhisperTokenizer
 
 TASKS = ("transcribe", "translate")
+# Audio whose every sample is smaller than one step of 16-bit PCM carries nothing a recording
+# could hold. Whisper's log-mel is normalised to its loudest frame, so it would magnify such
+# audio (or pure zeros) into noise and hallucinate words ("you", "Thank you.") from it.
+DIGITAL_SILENCE_PEAK = 1.0 / 32768
 
 
 def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str | None, task: str) -> str | None:
     """Normalises the language code and checks that the model can do the task in it."""
     if task not in TASKS:
-        raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {shown(task)}")
     if not tokenizer.is_multilingual and task == "translate":
         raise InvalidRequestError(
             f"{model_name} is an English-only model and cannot translate; use a multilingual model"
@@ -25,7 +29,7 @@ def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str |
         return None
     code = normalize_language(language)
     if code is None:
-        raise InvalidRequestError(f"unsupported language {language!r}; use an ISO-639-1 code such as 'en'")
+        raise InvalidRequestError(f"unsupported language {shown(language)}; use an ISO-639-1 code such as 'en'")
     if code not in tokenizer.languages:
         if not tokenizer.is_multilingual:
             raise InvalidRequestError(
@@ -48,3 +52,7 @@ def check_audio_piece(audio: np.ndarray) -> None:
         )
     if not np.isfinite(audio).all():
         raise InvalidRequestError("audio contains NaN or infinite samples")
+
+
+def is_digital_silence(audio: np.ndarray) -> bool:
+    return float(np.max(np.abs(audio))) < DIGITAL_SILENCE_PEAK

@@ -4,6 +4,7 @@ are decoded in the preprocessing pool and transcribed by the engine process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -37,7 +39,7 @@ from asrserve.entrypoints.protocol import (
 from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.transcription import TranscriptionJob
 from asrserve.entrypoints.upload import ClientGone, read_form
-from asrserve.errors import InvalidRequestError
+from asrserve.errors import InvalidRequestError, shown
 from asrserve.model.tokenizer import WhisperTokenizer
 
 logger = logging.getLogger("asrserve.server")
@@ -72,6 +74,10 @@ class ServerState:
         self.num_waiting = 0  # accepted transcriptions that have produced no text yet
         self.uvicorn_server = None  # set by run_server, so that a dead engine can stop it
         self.exit_code = 0
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.uvicorn_server is not None and self.uvicorn_server.should_exit
 
     @property
     def model_name(self) -> str:
@@ -133,10 +139,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.is_ready and state.tokenizer is not None:
-            return JSONResponse({"status": "ok"})
         if state.engine.failed.is_set():
             return JSONResponse({"status": "error", "error": state.engine.error}, status_code=503)
+        if state.shutting_down:  # draining: the load balancer should send new work elsewhere
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if state.engine.is_ready and state.tokenizer is not None:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
 
     @app.get("/version")
@@ -199,12 +207,14 @@ def _authorize(request: Request, config: ServerConfig) -> None:
 def _check_model_name(model: str | None, state: ServerState) -> None:
     if model is not None and model not in state.served_model_names:
         raise APIError(
-            404, f"the model {model!r} does not exist; this server serves {', '.join(state.served_model_names)}",
+            404, f"the model {shown(model)} does not exist; this server serves {', '.join(state.served_model_names)}",
             param="model", code="model_not_found",
         )
 
 
 def _check_ready(state: ServerState) -> None:
+    if state.shutting_down:
+        raise _shutting_down_error()
     if state.engine.failed.is_set():
         raise APIError(503, f"the engine is not running: {state.engine.error}", type="server_error", code="engine_dead")
     if not state.engine.is_ready or state.tokenizer is None:
@@ -227,7 +237,9 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
     waiting = _WaitingSlot(state)
     try:
         try:
-            form = await read_form(request, int(config.max_audio_filesize_mb * 1024 * 1024))
+            form = await read_form(
+                request, int(config.max_audio_filesize_mb * 1024 * 1024), config.upload_idle_timeout_s
+            )
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         params = TranscriptionRequest.from_form(form.fields)
@@ -238,7 +250,13 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
         except InvalidRequestError as error:
             raise APIError(400, str(error), param="language" if params.language else "model") from None
         job_params = _JobParams(language, task, params, endpoint, arrival)
-        return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
+        try:
+            return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
+        except asyncio.CancelledError:
+            if not state.shutting_down:
+                raise
+            # uvicorn cancels what outlasts --graceful-shutdown-timeout-s: say so, in our shape.
+            raise _shutting_down_error() from None
     finally:
         if not waiting.handed_off:
             waiting.release()
@@ -395,6 +413,13 @@ def _record_job(state: ServerState, job: TranscriptionJob, job_params: _JobParam
         metrics.time_to_first_token.labels(endpoint).observe(job.first_token_time - job_params.arrival)
 
 
+def _shutting_down_error() -> APIError:
+    return APIError(
+        503, "the server is shutting down; retry on another replica", type="server_error", code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _engine_dead(error: EngineDeadError) -> APIError:
     return APIError(503, f"the engine stopped: {error}", type="server_error", code="engine_dead")
 
@@ -483,14 +508,27 @@ class MetricsMiddleware:
                 self.metrics.request_latency.labels(endpoint).observe(time.monotonic() - start)
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn, less one habit: after a graceful shutdown on SIGTERM it raises the signal again,
+    so the process would end "killed by SIGTERM". A drained, orderly stop is a success, and
+    orchestrators and supervisors should see exit status 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     """Serves until interrupted; returns the process exit status."""
-    import uvicorn
-
     app = build_app(config, engine_config)
     state: ServerState = app.state.asr
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, timeout_keep_alive=30)
+    server = GracefulServer(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
+            timeout_keep_alive=30, timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+        )
     )
     state.uvicorn_server = server
     display_host = "localhost" if config.host in ("0.0.0.0", "::") else config.host

@@ -49,7 +49,7 @@ class TranscriptionRequest(BaseModel):
     language: str | None = None
     prompt: str | None = None
     response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
-    temperature: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     stream: bool = False
     timestamp_granularities: list[Literal["word", "segment"]] = Field(default_factory=list)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -3,6 +3,7 @@ passes the size limit: an oversized upload is never held in memory, nor spooled 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import MultipartParseError
@@ -10,6 +11,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from asrserve.entrypoints.protocol import APIError
+from asrserve.errors import shown
 
 MAX_FIELD_BYTES = 64 * 1024  # a prompt or language is tiny; anything bigger is not a form field
 MAX_FIELDS = 64
@@ -27,7 +29,11 @@ class ClientGone(Exception):
     """The client disconnected before the upload ended."""
 
 
-async def read_form(request: Request, max_file_bytes: int, file_field: str = "file") -> UploadedForm:
+async def read_form(
+    request: Request, max_file_bytes: int, idle_timeout_s: float | None = None, file_field: str = "file"
+) -> UploadedForm:
+    """The form, its file read whole; idle_timeout_s: the longest wait for the next chunk
+    (an upload that stalls gets 408 instead of holding its slot and its bytes forever)."""
     content_type, options = parse_options_header(request.headers.get("content-type"))
     if content_type != b"multipart/form-data" or b"boundary" not in options:
         raise APIError(400, "the request body must be multipart/form-data with a file field", param=file_field)
@@ -61,23 +67,26 @@ async def read_form(request: Request, max_file_bytes: int, file_field: str = "fi
         part.header_name, part.header_value = bytearray(), bytearray()
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
-        if part.name == file_field and part.filename is not None:
+        if part.name == file_field:  # the audio, sent as a file or (curl -F 'file=<a.wav') a field
             if len(file_data) + (end - start) > max_file_bytes:
                 raise too_large
             file_data.extend(data[start:end])
             return
+        if part.filename is not None:
+            return  # some other file: ignored, its bytes counted against the body limit below
         part.data += data[start:end]
         if len(part.data) > MAX_FIELD_BYTES:
-            raise APIError(400, f"form field {part.name!r} is longer than {MAX_FIELD_BYTES} bytes", param=part.name)
+            message = f"form field {shown(part.name)} is longer than {MAX_FIELD_BYTES} bytes"
+            raise APIError(400, message, param=part.name[:64])
 
     def on_part_end() -> None:
-        if part.name == file_field and part.filename is not None:
+        if part.name == file_field:
             if form.filename is not None:
                 raise APIError(400, "send one audio file per request", param=file_field)
-            form.filename = part.filename or "audio"
+            form.filename = part.filename or "audio"  # only ever a label: never a path
             return
         if part.filename is not None:
-            return  # some other file: ignored, but its bytes still counted against the limit below
+            return
         if len(form.fields) >= MAX_FIELDS and part.name not in form.fields:
             raise APIError(400, f"the form has more than {MAX_FIELDS} fields")
         form.fields.setdefault(part.name, []).append(part.data.decode("utf-8", "replace"))
@@ -95,7 +104,7 @@ async def read_form(request: Request, max_file_bytes: int, file_field: str = "fi
     )
     received = 0
     try:
-        async for chunk in request.stream():
+        async for chunk in _chunks(request, idle_timeout_s):
             received += len(chunk)
             if received > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large
@@ -109,6 +118,20 @@ async def read_form(request: Request, max_file_bytes: int, file_field: str = "fi
         raise APIError(400, f"the form has no {file_field!r} file: attach the audio as {file_field}", param=file_field)
     form.file = file_data  # no copy: the decoder reads a bytearray as it is
     return form
+
+
+async def _chunks(request: Request, idle_timeout_s: float | None):
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise APIError(
+                408, f"the upload stalled: nothing arrived for {idle_timeout_s:g} s", code="upload_timeout",
+                headers={"Connection": "close"},
+            ) from None
 
 
 class _Part:

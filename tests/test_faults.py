@@ -1,0 +1,225 @@
+"""Faults: clients that leave mid-upload or mid-stream, uploads that stall, an engine process
+that dies, and SIGTERM. Each must free everything it held and tell the orchestrator the truth."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+
+from asrserve.audio.decode import load_audio
+from asrserve.config import SAMPLE_RATE
+from tests.server_utils import ServerProcess
+from tests.test_server import _assert_error
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def minute_of_speech(speech_files, tmp_path_factory) -> Path:
+    """About 60 s of the sentences one after another: two pieces, seconds of decoding."""
+    clips = [load_audio(path) for path in speech_files]
+    gap = np.zeros(SAMPLE_RATE // 2, np.float32)
+    audio = np.zeros(0, np.float32)
+    while len(audio) < 60 * SAMPLE_RATE:
+        for clip in clips:
+            audio = np.concatenate([audio, clip, gap])
+    path = tmp_path_factory.mktemp("faults") / "minute.wav"
+    soundfile.write(path, audio[: 60 * SAMPLE_RATE], SAMPLE_RATE, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess(["--dtype", "float32", "--upload-idle-timeout-s", "1"])
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def _engine_idle(server: ServerProcess, timeout: float = 30.0) -> dict[str, float]:
+    """Waits until the engine holds nothing: no requests, no KV blocks, no encoder outputs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        held = {name: metrics[name] for name in (
+            "asrserve_kv_cache_blocks_used", "asrserve_encoder_cache_entries", "asrserve_num_requests_running",
+            "asrserve_num_requests_waiting", "asrserve_http_requests_waiting",
+        )}
+        if not any(held.values()):
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine still holds {held}")
+        time.sleep(0.1)
+
+
+def _transcribe(server: ServerProcess, path: Path, **data) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": path.read_bytes()}, data=data,
+                      timeout=120)
+
+
+def _multipart_head(length: int) -> bytes:
+    return (
+        b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: " + str(length).encode() + b"\r\n\r\n"
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+    )
+
+
+def test_a_client_leaving_mid_upload_frees_its_slot(server, speech_files):
+    before = server.metrics()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(_multipart_head(1_000_000) + speech_files[0].read_bytes()[:20_000])
+        time.sleep(0.3)  # the server is reading the body, holding a waiting slot
+        assert server.metrics()["asrserve_http_requests_waiting"] == 1
+    metrics = _engine_idle(server)
+    left = 'asrserve_requests_total{endpoint="transcriptions",status="499"}'
+    assert metrics.get(left, 0) == before.get(left, 0) + 1
+    assert _transcribe(server, speech_files[1]).status_code == 200
+
+
+def test_a_stalled_upload_gets_408_and_frees_its_slot(server, speech_files):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(_multipart_head(1_000_000) + b"RIFF")
+        started = time.monotonic()
+        reply = sock.recv(65536)
+        waited = time.monotonic() - started
+        while chunk := sock.recv(65536):  # the server closes the connection after its answer
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b'"upload_timeout"' in reply
+    assert 0.9 < waited < 5
+    _engine_idle(server)
+    assert _transcribe(server, speech_files[1]).status_code == 200
+
+
+def test_a_client_leaving_mid_stream_frees_the_engine(server, minute_of_speech, speech_files):
+    aborted_before = server.metrics()["asrserve_engine_requests_aborted_total"]
+    with httpx.stream(
+        "POST", f"{server.url}/v1/audio/transcriptions", files={"file": minute_of_speech.read_bytes()},
+        data={"stream": "true"}, timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert "transcript.text.delta" in first
+    # Left after the first delta: both pieces' engine requests are aborted and freed.
+    metrics = _engine_idle(server)
+    assert metrics["asrserve_engine_requests_aborted_total"] >= aborted_before + 1
+    assert _transcribe(server, speech_files[1]).status_code == 200
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_0(minute_of_speech, speech_files):
+    process = ServerProcess(["--dtype", "float32", "--graceful-shutdown-timeout-s", "60"])
+    try:
+        process.wait_ready()
+        expected = _transcribe(process, minute_of_speech).json()["text"]
+        engine_pid = process.engine_pid()
+
+        def streamed() -> str:
+            with httpx.stream(
+                "POST", f"{process.url}/v1/audio/transcriptions", files={"file": minute_of_speech.read_bytes()},
+                data={"stream": "true", "temperature_fallback": "false"}, timeout=120,
+            ) as response:
+                assert response.status_code == 200
+                return "\n".join(response.iter_lines())
+
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(_transcribe, process, minute_of_speech)
+            stream = pool.submit(streamed)
+            deadline = time.monotonic() + 30
+            while process.metrics()["asrserve_num_requests_running"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            process.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            # No new connections while draining: the load balancer's next probe fails at once.
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"{process.url}/health", timeout=2)
+            assert plain.result().status_code == 200
+            assert plain.result().json()["text"] == expected
+            events = stream.result()
+        assert "transcript.text.done" in events and events.rstrip().endswith("data: [DONE]")
+        assert process.process.wait(timeout=30) == 0
+        logs = process.logs()
+        assert "Application shutdown complete" in logs
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine_pid, 0)
+    finally:
+        process.stop()
+
+
+def test_sigterm_cancels_what_outlasts_the_grace_period(minute_of_speech):
+    process = ServerProcess(["--dtype", "float32", "--graceful-shutdown-timeout-s", "0.5", "--max-num-seqs", "1"])
+    try:
+        process.wait_ready()
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_transcribe, process, minute_of_speech)
+            while process.metrics()["asrserve_num_requests_running"] == 0:
+                time.sleep(0.05)
+            signalled = time.monotonic()
+            process.process.send_signal(signal.SIGTERM)
+            assert process.process.wait(timeout=30) == 0
+            stopped = time.monotonic() - signalled
+            # Cut off, and told so in OpenAI's shape: a client may retry on another replica.
+            response = in_flight.result()
+            _assert_error(response, 503, code="shutting_down")
+            assert response.headers["retry-after"] == "1"
+        assert stopped < 10, stopped  # 0.5 s of grace, then the engine's own shutdown
+        assert "timeout graceful shutdown exceeded" in process.logs()
+    finally:
+        process.stop()
+
+
+def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(speech_files):
+    # The engine process takes seconds to import torch and load: /health says 503 meanwhile.
+    process = ServerProcess(["--max-num-seqs", "4"])
+    try:
+        process.wait_ready()
+        assert 503 in process.health_statuses
+        assert process.health_statuses[-1] == 200
+        loading = [s for s in process.health_statuses if s != 200]
+        assert set(loading) == {503}
+
+        engine_pid = process.engine_pid()
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(
+                httpx.post, f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[4].read_bytes()},
+                timeout=60,
+            )
+            time.sleep(0.3)
+            subprocess.run(["kill", "-9", str(engine_pid)], check=True)
+            response = in_flight.result()
+        # The request in flight fails cleanly instead of hanging.
+        assert response.status_code in (200, 503)
+        if response.status_code == 503:
+            _assert_error(response, 503, code="engine_dead")
+        seen_503 = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and process.process.poll() is None:
+            try:
+                health = httpx.get(f"{process.url}/health", timeout=2)
+            except httpx.TransportError:
+                break
+            if health.status_code == 503:
+                seen_503 = True
+                assert health.json()["status"] == "error"
+            time.sleep(0.05)
+        assert seen_503
+        assert process.process.wait(timeout=30) != 0
+        assert "engine process exited unexpectedly" in process.logs()
+    finally:
+        process.stop()
+
+
