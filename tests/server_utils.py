@@ -57,6 +57,21 @@ class ServerProcess:
                     return int(child)
         raise RuntimeError("no engine process found")
 
+    def tree_rss_bytes(self) -> int:
+        """Resident memory of the server and every process under it (the engine)."""
+        total, pending = 0, [self.process.pid]
+        while pending:
+            pid = pending.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pending.extend(int(child) for child in (task / "children").read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # it exited meanwhile
+            rss_kb = next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))
+            total += int(rss_kb) * 1024
+        return total
+
     def logs(self) -> str:
         self.log.flush()
         return Path(self.log.name).read_text()

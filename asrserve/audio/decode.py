@@ -38,9 +38,8 @@ def load_audio(source: AudioSource, sample_rate: int | None = None, max_duration
     if isinstance(source, np.ndarray):
         samples, rate = source, sample_rate or SAMPLE_RATE
         _check_duration(len(samples) / rate, max_duration_s)
-    else:
-        samples, rate = _decode(source, max_duration_s)
-    return to_model_input(samples, rate)
+        return to_model_input(samples, rate)
+    return to_model_input(_decode(source, max_duration_s), SAMPLE_RATE)
 
 
 def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -64,7 +63,46 @@ def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     return np.ascontiguousarray(samples)
 
 
-def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: float | None) -> tuple[np.ndarray, int]:
+# Sample rates a file may declare. Outside them a header is damaged or hostile (a rate of 1 Hz
+# turns a few bytes into hours of audio to upsample).
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 768_000
+BLOCK_SAMPLES = 1 << 20  # decoded, mixed down and resampled this many samples (4 MB) at a time
+
+
+class _MonoResampler:
+    """Mixes blocks of [frames, channels] down to mono and resamples them to 16 kHz as they
+    are decoded: memory stays that of the 16 kHz mono result, whatever the file's rate and
+    channel count (a small FLAC of silence at 384 kHz x 8 channels would otherwise expand to
+    gigabytes before the mix-down)."""
+
+    def __init__(self, rate: int, max_duration_s: float | None):
+        if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+            raise AudioError(f"audio has an unsupported sample rate of {rate} Hz")
+        self.rate = rate
+        self.max_duration_s = max_duration_s
+        self.num_frames = 0
+        self.stream = None if rate == SAMPLE_RATE else soxr.ResampleStream(rate, SAMPLE_RATE, 1, "float32", "HQ")
+        self.pieces: list[np.ndarray] = []
+
+    def add(self, block: np.ndarray, last: bool = False) -> None:
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are refused after decoding
+            mono = block.mean(axis=1, dtype=np.float32) if block.ndim == 2 else block
+        mono = np.ascontiguousarray(mono, np.float32)
+        self.num_frames += len(mono)
+        if self.max_duration_s is not None and self.num_frames > self.max_duration_s * self.rate:
+            raise AudioTooLongError(self.num_frames / self.rate, self.max_duration_s, exact=False)
+        self.pieces.append(self.stream.resample_chunk(mono, last=last) if self.stream is not None else mono)
+
+    def finish(self) -> np.ndarray:
+        if self.stream is not None:
+            self.add(np.zeros(0, np.float32), last=True)
+        if self.num_frames == 0:
+            raise AudioError("audio is empty: it has no samples")
+        return np.concatenate(self.pieces)
+
+
+def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: float | None) -> np.ndarray:
+    """16 kHz mono float32 samples of a file."""
     if isinstance(source, (bytes, bytearray)):
         if len(source) == 0:
             raise AudioError("audio is empty: the file has no bytes")
@@ -73,32 +111,32 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         raise AudioError(f"audio file not found: {source}")
     start = source.tell() if hasattr(source, "tell") else None
     try:
-        samples, rate = _decode_soundfile(source, max_duration_s)
+        return _decode_soundfile(source, max_duration_s)
     except soundfile.LibsndfileError:
         # Containers libsndfile does not read (mp4/m4a, webm, aac, wma, ...): ffmpeg via PyAV.
         if start is not None:
             source.seek(start)
-        samples, rate = _decode_ffmpeg(source, max_duration_s)
-    if rate <= 0:
-        raise AudioError(f"audio has an invalid sample rate {rate}")
-    return samples, rate
+        return _decode_ffmpeg(source, max_duration_s)
 
 
-def _decode_soundfile(source, max_duration_s: float | None) -> tuple[np.ndarray, int]:
+def _decode_soundfile(source, max_duration_s: float | None) -> np.ndarray:
     try:
         with soundfile.SoundFile(source) as file:
             if file.samplerate > 0 and file.frames > 0:
                 _check_duration(file.frames / file.samplerate, max_duration_s)
-            samples = file.read(dtype="float32", always_2d=True)
-            rate = file.samplerate
+            resampler = _MonoResampler(file.samplerate, max_duration_s)
+            block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
+            # Read until the decoder gives nothing more: a header's frame count may be wrong.
+            while len(block := file.read(block_frames, dtype="float32", always_2d=True)):
+                resampler.add(block)
+            return resampler.finish()
     except (soundfile.LibsndfileError, AudioError):
         raise
     except (RuntimeError, TypeError, ValueError) as error:
         raise AudioError(f"could not decode audio: {_one_line(error)}") from None
-    return samples, rate
 
 
-def _decode_ffmpeg(source, max_duration_s: float | None) -> tuple[np.ndarray, int]:
+def _decode_ffmpeg(source, max_duration_s: float | None) -> np.ndarray:
     import av
 
     try:
@@ -106,29 +144,25 @@ def _decode_ffmpeg(source, max_duration_s: float | None) -> tuple[np.ndarray, in
             if not container.streams.audio:
                 raise AudioError("could not decode audio: the file has no audio stream")
             stream = container.streams.audio[0]
-            rate = stream.sample_rate or stream.codec_context.sample_rate
+            # A damaged header can leave the stream without a rate (PyAV then has no attribute).
+            rate = getattr(stream, "sample_rate", None) or getattr(stream.codec_context, "sample_rate", 0)
             if container.duration:  # microseconds, when the container says
                 _check_duration(container.duration / 1e6, max_duration_s)
-            # Planar float at the stream's own rate and channel layout; we mix and resample.
-            resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
-            chunks, num_samples = [], 0
+            mono = _MonoResampler(rate, max_duration_s)
+            # Planar float at the stream's own rate and channel layout; mixed down and
+            # resampled to 16 kHz frame by frame.
+            converter = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
             for frame in _decoded_frames(container, stream):
-                for converted in resampler.resample(frame):
-                    chunk = converted.to_ndarray()  # [channels, samples]
-                    chunks.append(chunk)
-                    num_samples += chunk.shape[1]
-                if max_duration_s is not None and num_samples > max_duration_s * rate:
-                    raise AudioTooLongError(num_samples / rate, max_duration_s, exact=False)
-            for converted in resampler.resample(None):
-                chunks.append(converted.to_ndarray())
+                for converted in converter.resample(frame):
+                    mono.add(converted.to_ndarray().T)  # [samples, channels]
+            for converted in converter.resample(None):
+                mono.add(converted.to_ndarray().T)
+            return mono.finish()
     except AudioError:
         raise
     except (av.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as error:
         message = f"could not decode audio: not a format libsndfile or ffmpeg reads ({_one_line(error)})"
         raise AudioError(message) from None
-    if not chunks:
-        raise AudioError("audio is empty: it has no samples")
-    return np.concatenate(chunks, axis=1).T, rate
 
 
 def _decoded_frames(container, stream):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -193,10 +194,13 @@ def _authorize(request: Request, config: ServerConfig) -> None:
     if not config.api_keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # Compare against every key without stopping early, in constant time per key.
+    # Digests are compared, not keys: equal lengths, so the comparison takes the same time
+    # whatever the token's length or how much of it matches. Every key is tried (no early
+    # exit reveals which one matched).
+    offered = hashlib.sha256(token.strip().encode()).digest()
     matched = False
     for key in config.api_keys:
-        matched |= hmac.compare_digest(token.strip().encode(), key.encode())
+        matched |= hmac.compare_digest(offered, hashlib.sha256(key.encode()).digest())
     if scheme.lower() != "bearer" or not matched:
         raise APIError(
             401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",

@@ -1,0 +1,84 @@
+"""Security basics: API keys (several, from the environment) are checked and never written
+anywhere, uploads leave no temporary files, and no request field reaches the filesystem."""
+
+from __future__ import annotations
+
+import subprocess
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess
+from tests.test_server import _assert_error
+
+pytestmark = pytest.mark.slow
+
+KEYS = ["sk-first-5f0c1e7d9a", "sk-second-84b2aa31c6"]
+WRONG = "sk-wrong-0d3fe99b17"
+
+
+@pytest.fixture(scope="module")
+def tmpdir_of_server(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-tmp")
+
+
+@pytest.fixture(scope="module")
+def server(tmpdir_of_server):
+    # Keys from the environment, as deployments pass them (a flag would show in `ps`), and the
+    # most talkative log level: nothing may print them.
+    env = {"ASRSERVE_API_KEY": ",".join(KEYS), "ASRSERVE_LOG_LEVEL": "debug", "TMPDIR": str(tmpdir_of_server)}
+    process = ServerProcess(["--dtype", "float32"], env=env)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def _post(server, key: str | None, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(f"{server.url}/v1/audio/transcriptions", headers=headers, timeout=120, **kwargs)
+
+
+def test_every_key_works_and_no_key_is_ever_logged(server, speech_files):
+    audio = speech_files[1].read_bytes()
+    for key in KEYS:
+        assert _post(server, key, files={"file": audio}).status_code == 200
+        assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    for key in (WRONG, KEYS[0][:-1], KEYS[0] + "0", KEYS[1].upper(), KEYS[0][:3]):
+        _assert_error(_post(server, key, files={"file": audio}), 401, code="invalid_api_key")
+    _assert_error(_post(server, None, files={"file": audio}), 401)
+    response = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": audio},
+                          headers={"Authorization": f"Basic {KEYS[0]}"})
+    _assert_error(response, 401)
+    for text in (server.logs(), httpx.get(f"{server.url}/metrics").text):
+        for secret in (*KEYS, WRONG):
+            assert secret not in text
+
+
+def test_uploads_leave_no_temporary_files(server, speech_files, tmpdir_of_server, tmp_path):
+    before = sorted(path.relative_to(tmpdir_of_server) for path in tmpdir_of_server.rglob("*"))
+    m4a = tmp_path / "clip.m4a"  # decoded through PyAV, the path most likely to spool
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(speech_files[1]), str(m4a)], check=True)
+    for content in (speech_files[1].read_bytes(), m4a.read_bytes(), b"not audio at all"):
+        _post(server, KEYS[0], files={"file": ("clip", content)})
+        _post(server, KEYS[0], files={"file": ("clip", content)}, data={"stream": "true"})
+    after = sorted(path.relative_to(tmpdir_of_server) for path in tmpdir_of_server.rglob("*"))
+    assert after == before
+
+
+def test_no_request_field_reaches_the_filesystem(server, speech_files, tmp_path):
+    target = tmp_path / "written-by-a-request"
+    traversal = "../" * 12 + str(target).lstrip("/")
+    audio = speech_files[1].read_bytes()
+    # The file name is a label only: the upload is read from memory, whatever it is called.
+    for name in (str(target), traversal, "/dev/zero", "/etc/passwd"):
+        assert _post(server, KEYS[0], files={"file": (name, audio)}).status_code == 200
+    # `model` is compared with the served names, never loaded: a path to a real model is a 404.
+    from asrserve.model.loader import _bundled
+
+    model_dir = str(_bundled("tiny.en").directories[0])
+    _assert_error(_post(server, KEYS[0], files={"file": audio}, data={"model": model_dir}), 404, "model")
+    _assert_error(_post(server, KEYS[0], files={"file": audio}, data={"model": traversal}), 404, "model")
+    _assert_error(_post(server, KEYS[0], files={"file": audio}, data={"language": traversal}), 400, "language")
+    assert _post(server, KEYS[0], files={"file": audio}, data={"prompt": traversal}).status_code == 200
+    assert not target.exists()
