@@ -2,7 +2,7 @@
 resident memory must not creep (under 5% growth), and when the load stops the engine must
 hold nothing: no KV blocks, no encoder outputs, no requests.
 
-    python benchmarks/soak.py [--requests 2000] [--concurrency 16] [--segment 100] [--warmup 200]
+    python benchmarks/soak.py [--requests 2000] [--concurrency 16] [--segment 100] [--warmup 400]
                               [--save-result soak.json]
 
 `asrserve serve` (default settings) runs as a subprocess. The requests go in segments of
@@ -11,6 +11,10 @@ timestamps, streaming (SSE) and srt. The audio cycles through short spoken sente
 half-minute recordings and 1-2 minute recordings (real speech from ../shared/audio; espeak-ng
 sentences without it). After each segment the server tree's resident memory (server plus
 engine process) and the engine's gauges are read from /proc and /metrics.
+
+Warm-up is one pass through every mode (4 segments): until each code path has run at full
+concurrency, the high-water marks of its buffers and of the allocator's arenas still rise.
+Growth is the largest resident size after warm-up over the size at its end.
 """
 
 from __future__ import annotations
@@ -93,21 +97,27 @@ def run_soak(num_requests: int, concurrency: int, segment: int, warmup: int, fil
         metrics = server.metrics()
     finally:
         server.stop()
-    after_warmup = [point for point in timeline if point["requests_done"] > warmup] or timeline[-1:]
-    baseline = next(point["rss_mb"] for point in timeline if point["requests_done"] >= min(warmup, num_requests))
     return {
-        "requests": num_requests, "concurrency": concurrency, "segment": segment, "warmup_requests": warmup,
+        "requests": num_requests, "concurrency": concurrency, "segment": segment,
+        **memory_growth(timeline, warmup),
         "failed": sum(point["failed"] for point in timeline),
         "audio_seconds": round(sum(point["audio_seconds"] for point in timeline), 1),
         "wall_seconds": round(sum(point["wall_seconds"] for point in timeline), 1),
-        "rss_mb_after_warmup": baseline,
-        "rss_mb_max_after_warmup": max(point["rss_mb"] for point in after_warmup),
-        "rss_mb_end": timeline[-1]["rss_mb"],
-        "rss_growth_after_warmup": round(max(point["rss_mb"] for point in after_warmup) / baseline - 1, 4),
         "engine_held_after": held_after,
         "kv_blocks_total": metrics["asrserve_kv_cache_blocks_total"],
         "preemptions": metrics["asrserve_preemptions"],
         "timeline": timeline,
+    }
+
+
+def memory_growth(timeline: list[dict], warmup: int) -> dict:
+    """Resident memory at the end of warm-up, its largest value after, and the growth."""
+    warm = [point for point in timeline if point["requests_done"] >= warmup] or timeline[-1:]
+    baseline = warm[0]["rss_mb"]
+    peak = max(point["rss_mb"] for point in warm[1:] or warm)
+    return {
+        "warmup_requests": warmup, "rss_mb_after_warmup": baseline, "rss_mb_max_after_warmup": peak,
+        "rss_mb_end": timeline[-1]["rss_mb"], "rss_growth_after_warmup": round(peak / baseline - 1, 4),
     }
 
 
@@ -116,12 +126,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--segment", type=int, default=100, help="requests per segment (one mode each)")
-    parser.add_argument("--warmup", type=int, default=200, help="requests before the memory baseline")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="requests before the memory baseline (default: one segment of each mode)")
     parser.add_argument("--save-result", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = mixed_workload(Path(tmp))
-    result = run_soak(args.requests, args.concurrency, args.segment, args.warmup, files)
+    warmup = args.warmup if args.warmup is not None else args.segment * len(MODES)
+    result = run_soak(args.requests, args.concurrency, args.segment, warmup, files)
     result["machine"] = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
     summary = {key: value for key, value in result.items() if key != "timeline"}
     print(json.dumps(summary, indent=2))

@@ -217,10 +217,10 @@ def _check_model_name(model: str | None, state: ServerState) -> None:
 
 
 def _check_ready(state: ServerState) -> None:
-    if state.shutting_down:
-        raise _shutting_down_error()
     if state.engine.failed.is_set():
         raise APIError(503, f"the engine is not running: {state.engine.error}", type="server_error", code="engine_dead")
+    if state.shutting_down:
+        raise _shutting_down_error()
     if not state.engine.is_ready or state.tokenizer is None:
         raise APIError(
             503, "the model is still loading; retry shortly", type="server_error", code="model_loading",
