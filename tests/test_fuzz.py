@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import io
-import resource
 import subprocess
 import tracemalloc
 
@@ -195,4 +194,3 @@ def test_after_fuzzing_the_server_is_healthy_and_small(server, speech_files):
     metrics = server.metrics()
     assert metrics["asrserve_kv_cache_blocks_used"] == 0 and metrics["asrserve_http_requests_waiting"] == 0
     assert server.tree_rss_bytes() < server.rss_before_fuzzing * 1.1 + 64 * 2**20
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # kB: this process stayed small too

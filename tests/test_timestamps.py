@@ -358,7 +358,8 @@ def test_prompt_is_context_not_output(asr, speech_files, tiny_en_engine):
     # The prompt's tokens: <|startofprev|>, its last 223 tokens, then <|startoftranscript|>.
     special = tiny_en_engine.tokenizer.special
     long_prompt = " ".join(SENTENCES) * 4
-    tiny_en_engine.add_request("prompted", np.zeros(SAMPLE_RATE, np.float32), prompt=long_prompt)
+    faint_noise = np.random.default_rng(0).normal(0, 0.01, SAMPLE_RATE).astype(np.float32)  # not digital silence
+    tiny_en_engine.add_request("prompted", faint_noise, prompt=long_prompt)
     request = tiny_en_engine.scheduler.requests["prompted"]
     expected = tiny_en_engine.tokenizer.encode(" " + long_prompt.strip())[-223:]
     assert request.prompt_token_ids == [special.sot_prev, *expected, special.sot, special.no_timestamps]
