@@ -195,9 +195,11 @@ def test_every_serve_option_reads_its_environment_variable(monkeypatch):
     monkeypatch.setenv("ASRSERVE_MODEL", "base")
     monkeypatch.setenv("ASRSERVE_MAX_NUM_SEQS", "7")
     monkeypatch.setenv("ASRSERVE_DTYPE", "bfloat16")
+    monkeypatch.setenv("ASRSERVE_ACCESS_LOG", "false")
     args = build_parser().parse_args(["serve"])
-    values = (args.port, args.api_key, args.model, args.max_num_seqs, args.dtype)
-    assert values == (9123, ["k1", "k2"], "base", 7, "bfloat16")
+    values = (args.port, args.api_key, args.model, args.max_num_seqs, args.dtype, args.access_log)
+    assert values == (9123, ["k1", "k2"], "base", 7, "bfloat16", False)
+    assert build_parser().parse_args(["serve", "--access-log"]).access_log is True
     assert build_parser().parse_args(["serve", "tiny.en", "--port", "1"]).port == 1  # flags win
     assert build_parser().parse_args(["serve", "tiny.en"]).model == "tiny.en"
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
