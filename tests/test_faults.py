@@ -18,6 +18,7 @@ import soundfile
 
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
+from benchmarks.overload import engine_idle
 from tests.server_utils import ServerProcess
 from tests.test_server import _assert_error
 
@@ -47,20 +48,12 @@ def server():
         process.stop()
 
 
-def _engine_idle(server: ServerProcess, timeout: float = 30.0) -> dict[str, float]:
-    """Waits until the engine holds nothing: no requests, no KV blocks, no encoder outputs."""
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = server.metrics()
-        held = {name: metrics[name] for name in (
-            "asrserve_kv_cache_blocks_used", "asrserve_encoder_cache_entries", "asrserve_num_requests_running",
-            "asrserve_num_requests_waiting", "asrserve_http_requests_waiting",
-        )}
-        if not any(held.values()):
-            return metrics
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the engine still holds {held}")
-        time.sleep(0.1)
+def _engine_idle(server: ServerProcess) -> dict[str, float]:
+    """Waits until the engine holds nothing (no requests, KV blocks, encoder outputs, waiting
+    uploads) and returns the server's metrics."""
+    held = engine_idle(server)
+    assert not any(held.values()), f"the engine still holds {held}"
+    return server.metrics()
 
 
 def _transcribe(server: ServerProcess, path: Path, **data) -> httpx.Response:

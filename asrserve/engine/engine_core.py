@@ -34,8 +34,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.encoder_cache, self.tokenizer, self.dims.n_text_ctx
         )
-        # Requests answered without the model (digital silence), returned by the next step.
-        self.finished_without_model: list[RequestOutput] = []
+        # Requests answered without the model (digital silence) by id, returned by the next step.
+        self.finished_without_model: dict[str, RequestOutput] = {}
         logger.info(
             "loaded %s from %s on %s (%s); KV pool: %d blocks of %d tokens",
             loaded.name, loaded.source, self.device, str(self.dtype).removeprefix("torch."),
@@ -59,14 +59,14 @@ class EngineCore:
         prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
-        pending_ids = {output.request_id for output in self.finished_without_model}
-        if request_id in self.scheduler.requests or request_id in pending_ids:
+        if request_id in self.scheduler.requests or request_id in self.finished_without_model:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sampling_params = sampling_params or SamplingParams()
         check_audio_piece(audio)
         language = self.check_language(language, task)
+        known_language = language if self.is_multilingual else "en"
         if is_digital_silence(audio):
-            self.finished_without_model.append(self._silence_output(request_id, language))
+            self.finished_without_model[request_id] = _silence_output(request_id, known_language)
             return
         previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
@@ -79,30 +79,22 @@ class EngineCore:
             request_id, audio, tokens, sampling_params, max_tokens, task=task, detect_language=detect_language,
             sot_index=tokens.index(self.tokenizer.special.sot),
         )
-        request.language = language if self.is_multilingual else "en"
+        request.language = known_language
         self.scheduler.add(request)
-
-    def _silence_output(self, request_id: str, language: str | None) -> RequestOutput:
-        """No tokens, judged silence: what a decode of digital silence should come to."""
-        summary = DecodeSummary(
-            temperature=0.0, avg_logprob=0.0, compression_ratio=0.0, no_speech_prob=None, no_speech=True,
-            num_attempts=0, token_times=[0.0],
-        )
-        language = language if self.is_multilingual else "en"
-        return RequestOutput(request_id, [], [], True, "stop", language, summary=summary)
 
     def check_language(self, language: str | None, task: str) -> str | None:
         return check_language(self.tokenizer, self.model_name, language, task)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        self.finished_without_model = [o for o in self.finished_without_model if o.request_id != request_id]
+        self.finished_without_model.pop(request_id, None)
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
         return RequestOutput(request_id, [], [], True, "abort", request.language)
 
     def step(self) -> list[RequestOutput]:
-        outputs, self.finished_without_model = self.finished_without_model, []
+        outputs = list(self.finished_without_model.values())
+        self.finished_without_model.clear()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return outputs
@@ -115,3 +107,12 @@ class EngineCore:
     def has_work(self) -> bool:
         """Unfinished requests, or encoder outputs the runner has yet to drop."""
         return self.has_unfinished_requests() or self.encoder_cache.num_pending_frees > 0
+
+
+def _silence_output(request_id: str, language: str | None) -> RequestOutput:
+    """No tokens, judged silence: what a decode of digital silence should come to."""
+    summary = DecodeSummary(
+        temperature=0.0, avg_logprob=0.0, compression_ratio=0.0, no_speech_prob=None, no_speech=True,
+        num_attempts=0, token_times=[0.0],
+    )
+    return RequestOutput(request_id, [], [], True, "stop", language, summary=summary)

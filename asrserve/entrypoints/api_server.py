@@ -71,6 +71,7 @@ class ServerState:
         self.engine.on_stats = self.metrics.record_engine
         self.engine.on_abort = self.metrics.engine_requests_aborted.inc
         self.served_model_names = config.served_model_names or [engine_config.model.model or DEFAULT_MODEL]
+        self.api_key_digests = [_digest(key) for key in config.api_keys]  # computed once, not per request
         self.tokenizer: WhisperTokenizer | None = None
         self.num_waiting = 0  # accepted transcriptions that have produced no text yet
         self.uvicorn_server = None  # set by run_server, so that a dead engine can stop it
@@ -136,8 +137,6 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    config = state.config
-
     @app.get("/health")
     async def health() -> Response:
         if state.engine.failed.is_set():
@@ -160,12 +159,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
-        _authorize(request, config)
+        _authorize(request, state.api_key_digests)
         return {"object": "list", "data": [_model_card(name, state) for name in state.served_model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> dict:
-        _authorize(request, config)
+        _authorize(request, state.api_key_digests)
         _check_model_name(model, state)
         return _model_card(model, state)
 
@@ -190,17 +189,21 @@ def _model_card(name: str, state: ServerState) -> dict:
     }
 
 
-def _authorize(request: Request, config: ServerConfig) -> None:
-    if not config.api_keys:
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _authorize(request: Request, api_key_digests: list[bytes]) -> None:
+    if not api_key_digests:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     # Digests are compared, not keys: equal lengths, so the comparison takes the same time
     # whatever the token's length or how much of it matches. Every key is tried (no early
     # exit reveals which one matched).
-    offered = hashlib.sha256(token.strip().encode()).digest()
+    offered = _digest(token.strip())
     matched = False
-    for key in config.api_keys:
-        matched |= hmac.compare_digest(offered, hashlib.sha256(key.encode()).digest())
+    for digest in api_key_digests:
+        matched |= hmac.compare_digest(offered, digest)
     if scheme.lower() != "bearer" or not matched:
         raise APIError(
             401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
@@ -231,7 +234,7 @@ def _check_ready(state: ServerState) -> None:
 async def _audio_endpoint(request: Request, state: ServerState, task: str, endpoint: str) -> Response:
     arrival = time.monotonic()
     config = state.config
-    _authorize(request, config)
+    _authorize(request, state.api_key_digests)
     _check_ready(state)
     if state.num_waiting >= config.max_waiting_requests:
         raise APIError(
