@@ -13,7 +13,7 @@ from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import Request, RequestStatus, SamplingParams
 from asrserve.engine.scheduler import Scheduler
-from asrserve.model.sampler import SamplerOutput
+from asrserve.worker.sampler import SamplerOutput
 
 EOT = 50256
 SOT, NO_TIMESTAMPS = 50257, 50362

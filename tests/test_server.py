@@ -179,12 +179,12 @@ def test_sdk_stream_iterates_openai_events(client, speech_files, expected_stream
 
 
 def test_temperature_fallback_extension_decodes_once(client, server, speech_files, expected_streamed):
-    from asrserve.entrypoints.api_server import _JobParams
+    from asrserve.entrypoints.serving_transcription import TranscriptionParams
     from asrserve.entrypoints.protocol import TranscriptionRequest
 
     for fields, retries in (({}, True), ({"temperature_fallback": ["false"]}, False)):
         params = TranscriptionRequest.from_form(fields)
-        sampling = _JobParams(None, "transcribe", params, "transcriptions", 0.0).sampling
+        sampling = TranscriptionParams(None, "transcribe", params, "transcriptions", 0.0).sampling
         assert bool(sampling.fallback_temperatures) is retries
         assert (sampling.no_speech_threshold is not None) is retries
     for path, text in list(zip(speech_files, expected_streamed))[:3]:

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from asrserve.cli import build_parser
 from asrserve.config import SAMPLE_RATE, EngineConfig, ServerConfig
 from asrserve.entrypoints.api_server import build_app
-from asrserve.entrypoints.transcription import IncrementalText
+from asrserve.entrypoints.transcription_job import IncrementalText
 from tests.conftest import synthesize
 from tests.server_utils import ServerProcess, free_port
 from tests.test_server import _assert_error

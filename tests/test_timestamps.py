@@ -26,7 +26,7 @@ from asrserve.entrypoints.formats import format_timestamp, to_srt, to_verbose_js
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.words import split_words
-from asrserve.model.sampler import TimestampRules
+from asrserve.worker.sampler import TimestampRules
 from tests.conftest import SENTENCES, SHARED_AUDIO, run_to_completion
 
 SRT_CUE = re.compile(r"(\d+)\n(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),(\d\d\d)\n([^\n]+)\n")

@@ -14,7 +14,7 @@ from asrserve.engine.request_checks import check_audio_piece, check_language, is
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
 from asrserve.model.loader import load_model
-from asrserve.model.runner import ModelRunner
+from asrserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from asrserve.engine.word_timing import text_token_times
 from asrserve.model.tokenizer import WhisperTokenizer
 
 if TYPE_CHECKING:
-    from asrserve.model.sampler import SamplerOutput
+    from asrserve.worker.sampler import SamplerOutput
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerOutput"]
 

@@ -7,24 +7,17 @@ from __future__ import annotations
 import ctypes
 import math
 from collections import Counter
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import N_FRAMES, EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler import SchedulerOutput
-from asrserve.model.attention import (
-    AlignmentQuery,
-    AttentionMetadata,
-    GatherBuffers,
-    build_self_attn_mask,
-)
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
-from asrserve.model.sampler import Sampler, SamplerOutput
+from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
+from asrserve.worker.sampler import Sampler, SamplerOutput
 
 _CPU_KV_CACHE_CAP_BYTES = 4 << 30  # default CPU pool: what max_num_seqs needs, at most 4 GiB
 
@@ -57,17 +50,6 @@ def alignment_heads_by_layer(
     return {layer: torch.tensor(h, dtype=torch.long, device=device) for layer, h in by_layer.items()}
 
 
-@dataclass
-class DecoderInputs:
-    input_ids: torch.Tensor  # [padded tokens]
-    positions: torch.Tensor  # [padded tokens]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [padded requests] row of each request's last token
-    # (request index, flat row) of each <|startoftranscript|> whose no_speech_prob is due
-    no_speech_rows: list[tuple[int, int]]
-    aligned_requests: list[int]  # request indices in metadata.alignment's order
-
-
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.model = loaded.model
@@ -75,7 +57,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache.block_size
-        self.padding_multiple = config.batch_invariant_padding
         self.log_mel = LogMelSpectrogram(self.dims.n_mels, device)
         self.encode = compiled_encoder(self.model.encoder, self.dims.n_mels, device, dtype, config.model.compile)
         self.sampler = Sampler(
@@ -87,7 +68,6 @@ class ModelRunner:
             device,
         )
         self.no_speech_token = loaded.tokenizer.special.no_speech
-        self.alignment_heads = alignment_heads_by_layer(loaded.generation.alignment_heads, self.dims, device)
         self.num_cross_blocks = math.ceil(self.dims.n_audio_ctx / self.block_size)
         self.num_kv_blocks = self._num_kv_blocks(config)
         head_dim = self.dims.n_text_state // self.dims.n_text_head
@@ -101,7 +81,10 @@ class ModelRunner:
         # (one step after their consumption) that they may go.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.encoder_batch_sizes: Counter[int] = Counter()  # audios per encoder forward
-        self.gather_buffers = GatherBuffers()
+        self.decoder_inputs = DecoderInputBuilder(
+            self.block_size, self.dims.n_audio_ctx, config.batch_invariant_padding,
+            alignment_heads_by_layer(loaded.generation.alignment_heads, self.dims, device), device,
+        )
         if device.type == "cpu":
             _keep_freed_memory_mapped()
 
@@ -154,7 +137,7 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return SamplerOutput([], [])
         requests = scheduler_output.scheduled
-        inputs = self._prepare_decoder_inputs(requests)
+        inputs = self.decoder_inputs.build(requests)
         hidden = self.model.decoder(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         logits = self.model.decoder.compute_logits(hidden[inputs.logits_indices])
         no_speech_probs = self._no_speech_probs(hidden, inputs.no_speech_rows, len(requests))
@@ -199,85 +182,3 @@ class ModelRunner:
         offsets = torch.arange(self.block_size)
         slots = (block_tables[:, :, None] * self.block_size + offsets).flatten(1)[:, : self.dims.n_audio_ctx]
         self.model.decoder.write_cross_kv(encoder_out, self.kv_cache, slots.flatten().to(self.device))
-
-    def _prepare_decoder_inputs(self, requests: list[Request]) -> DecoderInputs:
-        """Flattens every request's uncomputed tokens into one batch, with the pool slots they
-        write and the blocks they read."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, context_lens = [], []
-        no_speech_rows: list[tuple[int, int]] = []
-        for index, request in enumerate(requests):
-            start, end = request.num_computed_tokens, request.num_tokens
-            if request.no_speech_prob is None and start <= request.sot_index < end:
-                no_speech_rows.append((index, len(token_ids) + request.sot_index - start))
-            token_ids.extend(request.token_ids_from(start))
-            positions.extend(range(start, end))
-            query_lens.append(end - start)
-            context_lens.append(end)
-        num_seqs, num_tokens, max_query_len = len(requests), len(token_ids), max(query_lens)
-
-        max_self_blocks = max(len(r.self_block_table) for r in requests)
-        self_tables = np.zeros((num_seqs, max_self_blocks), dtype=np.int64)
-        for row, request in zip(self_tables, requests):
-            row[: len(request.self_block_table)] = request.self_block_table
-        flat_positions = np.asarray(positions, dtype=np.int64)
-        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        slot_mapping = (
-            self_tables[seq_of_token, flat_positions // self.block_size] * self.block_size
-            + flat_positions % self.block_size
-        )
-        cross_tables = np.asarray([r.cross_block_table for r in requests], dtype=np.int64)
-
-        query_lens_t = torch.tensor(query_lens, device=self.device)
-        context_lens_t = torch.tensor(context_lens, device=self.device)
-        padded_index = None
-        if max_query_len > 1:
-            first_token = np.cumsum([0, *query_lens[:-1]])
-            offset_in_seq = np.arange(num_tokens) - first_token[seq_of_token]
-            padded_index = self._tensor(seq_of_token * max_query_len + offset_in_seq)
-
-        metadata = AttentionMetadata(
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            max_query_len=max_query_len,
-            slot_mapping=self._tensor(slot_mapping),
-            self_block_tables=self._tensor(self_tables),
-            self_attn_mask=build_self_attn_mask(
-                context_lens_t, query_lens_t, max_query_len, max_self_blocks * self.block_size
-            ),
-            cross_block_tables=self._tensor(cross_tables),
-            cross_len=self.dims.n_audio_ctx,
-            padded_index=padded_index,
-            gather_buffers=self.gather_buffers,
-        )
-        padded_tokens = self._padded_size(num_tokens)
-        last_token_rows = np.cumsum(query_lens) - 1
-        # Word timestamps: the alignment heads' scores where each aligned request samples (not
-        # on a language-detection step, which samples no output token).
-        aligned = [i for i, r in enumerate(requests) if r.sampling_params.word_timestamps and not r.needs_language]
-        if aligned:
-            metadata.alignment = AlignmentQuery(
-                token_rows=self._tensor(last_token_rows[aligned]),
-                cross_block_tables=self._tensor(cross_tables[aligned]),
-                heads_by_layer=self.alignment_heads,
-            )
-        return DecoderInputs(
-            input_ids=self._tensor(np.pad(np.asarray(token_ids), (0, padded_tokens - num_tokens))),
-            positions=self._tensor(np.pad(flat_positions, (0, padded_tokens - num_tokens))),
-            metadata=metadata,
-            logits_indices=self._tensor(np.pad(last_token_rows, (0, self._padded_size(num_seqs) - num_seqs))),
-            no_speech_rows=no_speech_rows,
-            aligned_requests=aligned,
-        )
-
-    def _padded_size(self, rows: int) -> int:
-        """Rows rounded up so matrix kernels take the same code path for every batch: small
-        GEMMs switch kernels (and rounding) with their row count."""
-        multiple = self.padding_multiple
-        if multiple <= 0:
-            return rows
-        return max(2 * multiple, -(-rows // multiple) * multiple)
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device, non_blocking=True)

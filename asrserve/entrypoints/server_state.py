@@ -1,0 +1,89 @@
+"""What every route of the server shares (kept on app.state.asr): the engine client, the
+preprocessing pool, the metrics, the served names and keys, and the process's fate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from asrserve.config import DEFAULT_MODEL, EngineConfig, ServerConfig
+from asrserve.engine.async_client import AsyncEngineClient
+from asrserve.entrypoints.auth import api_key_digest
+from asrserve.entrypoints.error_handlers import shutting_down_error
+from asrserve.entrypoints.metrics import ServerMetrics
+from asrserve.entrypoints.preprocess import PreprocessPool, default_preprocess_workers
+from asrserve.entrypoints.protocol import APIError
+from asrserve.model.tokenizer import WhisperTokenizer
+
+logger = logging.getLogger("asrserve.server")
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig):
+        self.config = config
+        self.engine = AsyncEngineClient(engine_config, log_level=logging.getLevelName(config.log_level.upper()))
+        self.pool = PreprocessPool(
+            config.preprocess_workers or default_preprocess_workers(), config.max_audio_duration_s
+        )
+        self.metrics = ServerMetrics()
+        self.engine.on_stats = self.metrics.record_engine
+        self.engine.on_abort = self.metrics.engine_requests_aborted.inc
+        self.served_model_names = config.served_model_names or [engine_config.model.model or DEFAULT_MODEL]
+        self.api_key_digests = [api_key_digest(key) for key in config.api_keys]  # once, not per request
+        self.tokenizer: WhisperTokenizer | None = None
+        self.num_waiting = 0  # accepted transcriptions that have produced no text yet
+        self.uvicorn_server = None  # set by run_server, so that a dead engine can stop it
+        self.exit_code = 0
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.uvicorn_server is not None and self.uvicorn_server.should_exit
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine.is_ready and self.tokenizer is not None
+
+    def check_ready(self) -> None:
+        """Raises the 503 a request gets while the server cannot take work."""
+        if self.engine.failed.is_set():
+            raise APIError(503, f"the engine is not running: {self.engine.error}", type="server_error",
+                           code="engine_dead")
+        if self.shutting_down:
+            raise shutting_down_error()
+        if not self.is_ready:
+            raise APIError(
+                503, "the model is still loading; retry shortly", type="server_error", code="model_loading",
+                headers={"Retry-After": "5"},
+            )
+
+    def request_exit(self, code: int) -> None:
+        self.exit_code = code
+        if self.uvicorn_server is not None:
+            self.uvicorn_server.should_exit = True
+
+    async def watch_engine(self) -> None:
+        """Waits for the model to load, then for the engine to die (which it should not)."""
+        ready = asyncio.ensure_future(self.engine.ready.wait())
+        failed = asyncio.ensure_future(self.engine.failed.wait())
+        await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if self.engine.failed.is_set():
+            ready.cancel()
+            logger.error("error: %s", self.engine.error)
+            self.request_exit(2)
+            return
+        info = self.engine.info
+        from tokenizers import Tokenizer
+
+        self.tokenizer = WhisperTokenizer(Tokenizer.from_str(info.tokenizer_json), info.vocab_size, verify=False)
+        logger.info(
+            "ready: %s (%s) on %s, %s; KV pool %d blocks of %d tokens",
+            info.model_name, info.model_source, info.device, info.dtype, info.num_kv_blocks, info.block_size,
+        )
+        await failed
+        # Stay up for a moment answering /health with 503, so load balancers see it go.
+        await asyncio.sleep(self.config.engine_death_grace_s)
+        self.request_exit(1)

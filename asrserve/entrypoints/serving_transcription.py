@@ -1,0 +1,272 @@
+"""OpenAI's audio API: POST /v1/audio/transcriptions and /v1/audio/translations.
+
+One request: authorize → admit (--max-waiting-requests) → read the multipart upload → validate
+the form → decode and cut the audio in the preprocessing pool → run its pieces on the engine →
+render the response format, or stream text deltas as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from asrserve.audio.decode import AudioError, AudioTooLongError
+from asrserve.engine.async_client import EngineDeadError
+from asrserve.engine.request import SamplingParams
+from asrserve.engine.request_checks import check_language
+from asrserve.entrypoints.auth import authorize
+from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
+from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
+from asrserve.entrypoints.protocol import (
+    TIMESTAMPED_FORMATS,
+    APIError,
+    TranscriptionRequest,
+    error_body,
+    usage_duration,
+)
+from asrserve.entrypoints.segments import build_segments
+from asrserve.entrypoints.server_state import ServerState
+from asrserve.entrypoints.serving_models import check_model_name
+from asrserve.entrypoints.transcription_job import TranscriptionJob
+from asrserve.entrypoints.upload import ClientGone, read_form
+from asrserve.errors import InvalidRequestError
+
+T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client left first"; logged, never sent
+
+
+def add_transcription_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request) -> Response:
+        return await _audio_endpoint(request, state, "transcribe", "transcriptions")
+
+    @app.post("/v1/audio/translations")
+    async def translations(request: Request) -> Response:
+        return await _audio_endpoint(request, state, "translate", "translations")
+
+
+
+async def _audio_endpoint(request: Request, state: ServerState, task: str, endpoint: str) -> Response:
+    arrival = time.monotonic()
+    config = state.config
+    authorize(request.headers.get("authorization", ""), state.api_key_digests)
+    state.check_ready()
+    if state.num_waiting >= config.max_waiting_requests:
+        raise APIError(
+            429, f"the server is at capacity ({state.num_waiting} requests waiting); retry shortly",
+            type="rate_limit_error", code="server_busy", headers={"Retry-After": "1"},
+        )
+    waiting = _WaitingSlot(state)
+    try:
+        try:
+            form = await read_form(
+                request, int(config.max_audio_filesize_mb * 1024 * 1024), config.upload_idle_timeout_s
+            )
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        params = TranscriptionRequest.from_form(form.fields)
+        check_model_name(params.model, state)
+        _check_format(params)
+        try:
+            language = check_language(state.tokenizer, state.model_name, params.language, task)
+        except InvalidRequestError as error:
+            raise APIError(400, str(error), param="language" if params.language else "model") from None
+        job_params = TranscriptionParams(language, task, params, endpoint, arrival)
+        try:
+            return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
+        except asyncio.CancelledError:
+            if not state.shutting_down:
+                raise
+            # uvicorn cancels what outlasts --graceful-shutdown-timeout-s: say so, in our shape.
+            raise shutting_down_error() from None
+    finally:
+        if not waiting.handed_off:
+            waiting.release()
+
+
+def _check_format(params: TranscriptionRequest) -> None:
+    if params.stream and params.response_format in TIMESTAMPED_FORMATS:
+        raise APIError(
+            400, f"response_format {params.response_format!r} is not available with stream=true: streaming sends "
+            "text deltas; use json or text, or stream=false", param="stream",
+        )
+    if "word" in params.timestamp_granularities and params.response_format != "verbose_json":
+        raise APIError(
+            400, "timestamp_granularities[]=word needs response_format=verbose_json", param="timestamp_granularities",
+        )
+
+
+class TranscriptionParams:
+    """A validated request as the engine and the renderer need it."""
+
+    def __init__(self, language: str | None, task: str, params: TranscriptionRequest, endpoint: str, arrival: float):
+        self.language = language
+        self.task = task
+        self.request = params
+        self.endpoint = endpoint
+        self.arrival = arrival
+        self.timestamps = params.response_format in TIMESTAMPED_FORMATS
+        self.words = "word" in params.timestamp_granularities
+        decode_once = params.stream or not params.temperature_fallback
+        self.sampling = SamplingParams.transcription(
+            params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
+            timestamps=self.timestamps, word_timestamps=self.words,
+        )
+
+
+class _WaitingSlot:
+    """Counts a request against --max-waiting-requests until its text starts (or it ends)."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.held = True
+        self.handed_off = False  # a streaming response owns it now
+        state.num_waiting += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state.num_waiting -= 1
+
+
+async def _transcribe(
+    state: ServerState, audio: bytearray, job_params: TranscriptionParams, waiting: _WaitingSlot
+) -> Response:
+    try:
+        prepared = await state.pool.prepare(audio)
+    except AudioTooLongError as error:
+        raise APIError(400, str(error), param="file", code="audio_too_long") from None
+    except AudioError as error:
+        raise APIError(400, str(error), param="file", code="invalid_audio") from None
+    del audio
+    try:
+        job = TranscriptionJob(
+            state.engine, state.tokenizer, prepared, job_params.language, job_params.task, job_params.sampling,
+            job_params.request.max_completion_tokens, job_params.request.prompt,
+        )
+    except EngineDeadError as error:
+        raise engine_dead_error(error) from None
+    job.on_first_output = waiting.release
+    if job_params.request.stream:
+        waiting.handed_off = True  # the response releases it, however the stream ends
+
+        def cleanup() -> None:
+            job.abort()
+            waiting.release()
+
+        return _CleanupStreamingResponse(
+            _sse_events(state, job, job_params),
+            cleanup,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        text = await job.run()
+    except EngineDeadError as error:
+        raise engine_dead_error(error) from None
+    except InvalidRequestError as error:
+        raise APIError(400, str(error)) from None
+    finally:
+        job.abort()
+    _record_job(state, job, job_params)
+    return _render(state, job, job_params, text)
+
+
+def _render(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams, text: str) -> Response:
+    response_format = job_params.request.response_format
+    if response_format == "text":
+        return PlainTextResponse(text + "\n")
+    if response_format == "json":
+        return JSONResponse({"text": text, "usage": usage_duration(job.duration_s)})
+    segments = build_segments(state.tokenizer, job.pieces, job.language, words=job_params.words)
+    if response_format == "srt":
+        return Response(to_srt(segments), media_type=CONTENT_TYPES["srt"])
+    if response_format == "vtt":
+        return Response(to_vtt(segments), media_type=CONTENT_TYPES["vtt"])
+    return JSONResponse(
+        to_verbose_json(job_params.task, job.language, job.duration_s, text, segments, job_params.words,
+                        usage_duration(job.duration_s))
+    )
+
+
+class _CleanupStreamingResponse(StreamingResponse):
+    """Runs `cleanup` when the response ends for any reason, even if the client left before
+    the first byte and the event generator never started."""
+
+    def __init__(self, content, cleanup: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cleanup()
+
+
+async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams) -> AsyncIterator[str]:
+    try:
+        async for delta in job.deltas():
+            yield _sse({"type": "transcript.text.delta", "delta": delta})
+        audio_tokens = len(job.requests) * 1500
+        usage = {
+            "type": "tokens",
+            "input_tokens": audio_tokens,
+            "input_token_details": {"audio_tokens": audio_tokens, "text_tokens": 0},
+            "output_tokens": job.num_output_tokens,
+            "total_tokens": audio_tokens + job.num_output_tokens,
+        }
+        yield _sse({"type": "transcript.text.done", "text": job.text, "usage": usage})
+        yield "data: [DONE]\n\n"
+        _record_job(state, job, job_params)
+    except EngineDeadError as error:
+        yield _sse(error_body(f"the engine stopped: {error}", "server_error", code="engine_dead"))
+    except InvalidRequestError as error:
+        yield _sse(error_body(str(error), "invalid_request_error"))
+    finally:
+        job.abort()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _record_job(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams) -> None:
+    metrics, endpoint = state.metrics, job_params.endpoint
+    metrics.audio_seconds.labels(endpoint).inc(job.duration_s)
+    metrics.output_tokens.labels(endpoint).inc(job.num_output_tokens)
+    if job.first_token_time is not None:
+        metrics.time_to_first_token.labels(endpoint).observe(job.first_token_time - job_params.arrival)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
+    """Runs `work` (the body has been read) and cancels it if the client disconnects first:
+    cancellation aborts its engine requests and drops its queued preprocessing job."""
+    work_task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if work_task in done:
+        return work_task.result()
+    work_task.cancel()
+    try:
+        await work_task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

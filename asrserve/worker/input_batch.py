@@ -1,0 +1,120 @@
+"""The decoder's batch for one step: every scheduled request's uncomputed tokens flattened into
+one row list, the KV pool slots they write, the block tables they read, and which rows the
+sampler, the no-speech probability and the word-timestamp scores read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asrserve.engine.request import Request
+from asrserve.model.attention import AlignmentQuery, AttentionMetadata, GatherBuffers, build_self_attn_mask
+
+
+@dataclass
+class DecoderInputs:
+    input_ids: torch.Tensor  # [padded tokens]
+    positions: torch.Tensor  # [padded tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [padded requests] row of each request's last token
+    # (request index, flat row) of each <|startoftranscript|> whose no_speech_prob is due
+    no_speech_rows: list[tuple[int, int]]
+    aligned_requests: list[int]  # request indices in metadata.alignment's order
+
+
+class DecoderInputBuilder:
+    """Builds DecoderInputs on `device`. Holds what every step shares: the pool's block size,
+    the cross-attention length, the alignment heads and the reused K/V gather buffers."""
+
+    def __init__(self, block_size: int, cross_len: int, padding_multiple: int,
+                 alignment_heads: dict[int, torch.Tensor], device: torch.device):
+        self.block_size = block_size
+        self.cross_len = cross_len
+        self.padding_multiple = padding_multiple
+        self.alignment_heads = alignment_heads
+        self.device = device
+        self.gather_buffers = GatherBuffers()
+
+    def build(self, requests: list[Request]) -> DecoderInputs:
+        """Flattens every request's uncomputed tokens into one batch, with the pool slots they
+        write and the blocks they read."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens = [], []
+        no_speech_rows: list[tuple[int, int]] = []
+        for index, request in enumerate(requests):
+            start, end = request.num_computed_tokens, request.num_tokens
+            if request.no_speech_prob is None and start <= request.sot_index < end:
+                no_speech_rows.append((index, len(token_ids) + request.sot_index - start))
+            token_ids.extend(request.token_ids_from(start))
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+        num_seqs, num_tokens, max_query_len = len(requests), len(token_ids), max(query_lens)
+
+        max_self_blocks = max(len(r.self_block_table) for r in requests)
+        self_tables = np.zeros((num_seqs, max_self_blocks), dtype=np.int64)
+        for row, request in zip(self_tables, requests):
+            row[: len(request.self_block_table)] = request.self_block_table
+        flat_positions = np.asarray(positions, dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        slot_mapping = (
+            self_tables[seq_of_token, flat_positions // self.block_size] * self.block_size
+            + flat_positions % self.block_size
+        )
+        cross_tables = np.asarray([r.cross_block_table for r in requests], dtype=np.int64)
+
+        query_lens_t = torch.tensor(query_lens, device=self.device)
+        context_lens_t = torch.tensor(context_lens, device=self.device)
+        padded_index = None
+        if max_query_len > 1:
+            first_token = np.cumsum([0, *query_lens[:-1]])
+            offset_in_seq = np.arange(num_tokens) - first_token[seq_of_token]
+            padded_index = self._tensor(seq_of_token * max_query_len + offset_in_seq)
+
+        metadata = AttentionMetadata(
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            max_query_len=max_query_len,
+            slot_mapping=self._tensor(slot_mapping),
+            self_block_tables=self._tensor(self_tables),
+            self_attn_mask=build_self_attn_mask(
+                context_lens_t, query_lens_t, max_query_len, max_self_blocks * self.block_size
+            ),
+            cross_block_tables=self._tensor(cross_tables),
+            cross_len=self.cross_len,
+            padded_index=padded_index,
+            gather_buffers=self.gather_buffers,
+        )
+        padded_tokens = self._padded_size(num_tokens)
+        last_token_rows = np.cumsum(query_lens) - 1
+        # Word timestamps: the alignment heads' scores where each aligned request samples (not
+        # on a language-detection step, which samples no output token).
+        aligned = [i for i, r in enumerate(requests) if r.sampling_params.word_timestamps and not r.needs_language]
+        if aligned:
+            metadata.alignment = AlignmentQuery(
+                token_rows=self._tensor(last_token_rows[aligned]),
+                cross_block_tables=self._tensor(cross_tables[aligned]),
+                heads_by_layer=self.alignment_heads,
+            )
+        return DecoderInputs(
+            input_ids=self._tensor(np.pad(np.asarray(token_ids), (0, padded_tokens - num_tokens))),
+            positions=self._tensor(np.pad(flat_positions, (0, padded_tokens - num_tokens))),
+            metadata=metadata,
+            logits_indices=self._tensor(np.pad(last_token_rows, (0, self._padded_size(num_seqs) - num_seqs))),
+            no_speech_rows=no_speech_rows,
+            aligned_requests=aligned,
+        )
+
+    def _padded_size(self, rows: int) -> int:
+        """Rows rounded up so matrix kernels take the same code path for every batch: small
+        GEMMs switch kernels (and rounding) with their row count."""
+        multiple = self.padding_multiple
+        if multiple <= 0:
+            return rows
+        return max(2 * multiple, -(-rows // multiple) * multiple)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device, non_blocking=True)
