@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None,
+                 new_session: bool = False):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="asrserve-", suffix=".log", delete=False)
@@ -29,7 +30,7 @@ class ServerProcess:
             command += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[1], start_new_session=new_session,
         )
         self.health_statuses: list[int] = []  # every /health status seen while starting
 

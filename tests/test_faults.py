@@ -4,6 +4,7 @@ that dies, and SIGTERM. Each must free everything it held and tell the orchestra
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,6 +150,43 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(minute_of_speech, speech
         time.sleep(0.5)
         with pytest.raises(ProcessLookupError):
             os.kill(engine_pid, 0)
+    finally:
+        process.stop()
+
+
+LOG_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO) |INFO: {5})"  # ours, and uvicorn's
+)
+
+
+def test_sigterm_to_the_process_group_drains_and_exits_cleanly_with_the_compiled_encoder(minute_of_speech):
+    """systemd's control-group kill and inits that signal the group SIGTERM the engine process
+    too: it must keep serving the drain, and with the inductor-compiled encoder it must leave
+    without aborting in the C++ runtime ("terminate called without an active exception")."""
+    process = ServerProcess(["--dtype", "float32", "--compile", "on", "--graceful-shutdown-timeout-s", "60"],
+                            new_session=True)
+    try:
+        process.wait_ready(timeout=300)
+        assert "compiled the audio encoder" in process.logs()
+        expected = _transcribe(process, minute_of_speech).json()["text"]
+        engine_pid = process.engine_pid()
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_transcribe, process, minute_of_speech)
+            while process.metrics()["asrserve_num_requests_running"] == 0:
+                time.sleep(0.05)
+            os.killpg(process.process.pid, signal.SIGTERM)
+            response = in_flight.result()
+        assert response.status_code == 200 and response.json()["text"] == expected
+        assert process.process.wait(timeout=60) == 0
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine_pid, 0)
+        logs = process.logs()
+        assert "terminate called" not in logs
+        # Nothing but log lines, none of them a warning: no abort, no traceback, no leaked
+        # semaphore, and the server saw the engine exit 0.
+        stray = [line for line in logs.splitlines() if line.strip() and not LOG_LINE.match(line)]
+        assert not stray, "\n".join(stray)
     finally:
         process.stop()
 

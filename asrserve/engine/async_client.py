@@ -128,8 +128,11 @@ class AsyncEngineClient:
         self._outbox.put(None)  # stops the sender thread
         self._process.join(timeout)
         if self._process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
             self._process.kill()
             self._process.join()
+        elif self._process.exitcode != 0:
+            logger.warning("the engine process exited with code %s", self._process.exitcode)
 
     # Threads ---------------------------------------------------------------------------------
 

@@ -6,10 +6,12 @@ so a large upload never waits for a step to end and a step never waits for a pip
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import traceback
 from collections import Counter
@@ -72,21 +74,44 @@ class EngineStats:
 def run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: int) -> None:
     """Entry point of the engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
-    # Ctrl-C reaches the whole process group; the server shuts us down in order instead.
+    # Ctrl-C, and SIGTERM sent to the whole process group (systemd's control-group kill, a
+    # shell's `kill -- -PGID`, an init that forwards to the group), reach this process too.
+    # The server drains the requests in flight and then shuts us down in order; dying here
+    # at once would fail them all.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from asrserve.engine.engine_core import EngineCore
 
         core = EngineCore(config)
     except ModelLoadError as error:
         outbox.send(("failed", str(error)))
-        return
+        _exit(0)
     except Exception as error:  # a bug or a broken environment: say what, keep the trace in the log
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         outbox.send(("failed", f"engine failed to start: {type(error).__name__}: {error}"))
-        return
+        _exit(0)
     outbox.send(("ready", _info(core)))
     EngineLoop(core, inbox, outbox).run()
+    logger.debug("engine stopped")
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Ends the engine process now that its work is done and its pipes are closed.
+
+    A normal interpreter exit would run the C++ runtime's static destructors while threads
+    that compiled encoder kernels and oneDNN started are still alive (and the inbox reader
+    thread is blocked in recv); with the inductor-compiled encoder that aborts with
+    "terminate called without an active exception", a core dump in many containers. Nothing
+    is left to do but Python's own exit handlers (they stop inductor's compile workers and
+    unlink the semaphore its progress bar made, which would otherwise be reported leaked), so
+    run those and leave, as a forked multiprocessing child always does."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _info(core) -> EngineInfo:
