@@ -26,6 +26,8 @@ from asrserve.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
+EXIT_HANDLERS_TIMEOUT_S = 2.0
+
 
 @dataclass
 class EngineRequest:
@@ -107,7 +109,11 @@ def _exit(code: int) -> None:
     is left to do but Python's own exit handlers (they stop inductor's compile workers and
     unlink the semaphore its progress bar made, which would otherwise be reported leaked), so
     run those and leave, as a forked multiprocessing child always does."""
-    atexit._run_exitfuncs()
+    # Bounded: a handler that hangs must not keep the process from ending (the server would
+    # kill it after its own timeout, and report it).
+    handlers = threading.Thread(target=atexit._run_exitfuncs, name="engine-exit", daemon=True)
+    handlers.start()
+    handlers.join(EXIT_HANDLERS_TIMEOUT_S)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -61,6 +61,12 @@ def compiled_encoder(encoder: torch.nn.Module, n_mels: int, device: torch.device
         torch._dynamo.reset()
         return encoder
     logger.info("compiled the audio encoder in %.1f s", time.perf_counter() - started)
+    # One static shape: nothing compiles again. Inductor's compile-worker processes would sit
+    # idle holding memory, and a SIGTERM to the process group would kill them under the pool
+    # that must then be shut down at exit.
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
 
     def encode(mel: torch.Tensor) -> torch.Tensor:
         return torch.cat([compiled(mel[i:i + 1]) for i in range(mel.shape[0])])
