@@ -102,13 +102,13 @@ def run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log_
 def _exit(code: int) -> None:
     """Ends the engine process now that its work is done and its pipes are closed.
 
-    A normal interpreter exit would run the C++ runtime's static destructors while threads
-    that compiled encoder kernels and oneDNN started are still alive (and the inbox reader
-    thread is blocked in recv); with the inductor-compiled encoder that aborts with
-    "terminate called without an active exception", a core dump in many containers. Nothing
-    is left to do but Python's own exit handlers (they stop inductor's compile workers and
-    unlink the semaphore its progress bar made, which would otherwise be reported leaked), so
-    run those and leave, as a forked multiprocessing child always does."""
+    A normal interpreter exit runs the C++ runtime's static destructors while threads started
+    by compiled encoder kernels and oneDNN (and the inbox reader, blocked in recv) are still
+    alive; with the inductor-compiled encoder that was seen to abort ("terminate called
+    without an active exception"), a core dump in many containers. Only Python's exit
+    handlers are left worth running (one unlinks the semaphore inductor's progress bar made,
+    which would otherwise be reported leaked), so run those and leave, as a forked
+    multiprocessing child always does."""
     # Bounded: a handler that hangs must not keep the process from ending (the server would
     # kill it after its own timeout, and report it).
     handlers = threading.Thread(target=atexit._run_exitfuncs, name="engine-exit", daemon=True)

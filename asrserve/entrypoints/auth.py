@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 
 from asrserve.entrypoints.protocol import APIError
 
@@ -23,11 +24,12 @@ def is_allowed_key(token: str, api_key_digests: list[bytes]) -> bool:
     return matched
 
 
-def authorize(authorization_header: str, api_key_digests: list[bytes]) -> None:
-    """Raises 401 unless `Authorization: Bearer <key>` names one of the keys (or none is set)."""
+def authorize(headers: Mapping[str, str], api_key_digests: list[bytes]) -> None:
+    """Raises 401 unless `Authorization: Bearer <key>` names one of the keys (or none is set).
+    `headers`: an HTTP request's or a WebSocket's."""
     if not api_key_digests:
         return
-    scheme, _, token = authorization_header.partition(" ")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not is_allowed_key(token, api_key_digests):
         raise APIError(
             401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",

@@ -34,12 +34,12 @@ def model_card(name: str, state: ServerState) -> dict:
 def add_models_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
-        authorize(request.headers.get("authorization", ""), state.api_key_digests)
+        authorize(request.headers, state.api_key_digests)
         return {"object": "list", "data": [model_card(name, state) for name in state.served_model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> dict:
-        authorize(request.headers.get("authorization", ""), state.api_key_digests)
+        authorize(request.headers, state.api_key_digests)
         check_model_name(model, state)
         return model_card(model, state)
 

@@ -55,7 +55,7 @@ def add_transcription_routes(app: FastAPI, state: ServerState) -> None:
 async def _audio_endpoint(request: Request, state: ServerState, task: str, endpoint: str) -> Response:
     arrival = time.monotonic()
     config = state.config
-    authorize(request.headers.get("authorization", ""), state.api_key_digests)
+    authorize(request.headers, state.api_key_digests)
     state.check_ready()
     if state.num_waiting >= config.max_waiting_requests:
         raise APIError(
