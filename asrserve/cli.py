@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="text that came before the audio: spellings, names, style")
     transcribe.add_argument("--no-fallback", dest="fallback", action="store_false",
                             help="decode once: no temperature fallback, no silence detection")
+    transcribe.add_argument("--chunking-strategy", default=None, metavar="STRATEGY", help=CHUNKING_HELP)
+    transcribe.add_argument("--no-seek-continuation", dest="seek_continuation", action="store_false",
+                            help="one decode per piece: do not decode the rest of a piece again when "
+                            "Whisper stopped early in it")
     transcribe.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     transcribe.add_argument("--seed", type=int, default=None, help="seed for temperature sampling")
     transcribe.add_argument("--max-tokens", type=int, default=None, help="tokens per 30 s piece at most")
@@ -98,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="an upload that sends nothing for this long gets 408")
     http.add_argument("--graceful-shutdown-timeout-s", type=float, default=30.0,
                       help="on SIGTERM, seconds requests in flight get to finish before they are cancelled")
+    http.add_argument("--chunking-strategy", default=DEFAULT_CHUNKING, metavar="STRATEGY",
+                      help=f"for requests without chunking_strategy: {CHUNKING_HELP} (default {DEFAULT_CHUNKING})")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
@@ -114,6 +120,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_args(bench)
     return parser
+
+
+DEFAULT_CHUNKING = "auto"  # asrserve.audio.chunking.DEFAULT_CHUNKING
+CHUNKING_HELP = (
+    "how audio over 30 s is cut: auto (at voice-activity boundaries with Silero VAD, skipping "
+    "non-speech; the default), energy (at quiet points, every sample decoded), or a JSON object "
+    '{"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 200}'
+)
+
+
+def parse_chunking_strategy(value: str | None):
+    """The flag's text as a ChunkingStrategy (None: None); ValueError says what is wrong."""
+    from asrserve.audio.chunking import ChunkingStrategy
+
+    if value is None:
+        return None
+    parsed = value
+    if value.strip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--chunking-strategy: not valid JSON: {error}") from None
+    try:
+        return ChunkingStrategy.parse(parsed, ChunkingStrategy())
+    except ValueError as error:
+        raise ValueError(f"--chunking-strategy: {error}") from None
 
 
 ENV_PREFIX = "ASRSERVE_"
@@ -174,6 +206,8 @@ def _transcribe(args: argparse.Namespace) -> int:
             seed=args.seed, max_tokens=args.max_tokens, errors="return", progress=show_progress,
             timestamps=args.response_format in TIMESTAMPED_FORMATS, word_timestamps=args.word_timestamps,
             prompt=args.prompt, fallback=args.fallback,
+            chunking_strategy=parse_chunking_strategy(args.chunking_strategy),
+            seek_continuation=args.seek_continuation,
         )
         for index, transcription in results:
             ready[index] = transcription
@@ -235,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
             upload_idle_timeout_s=args.upload_idle_timeout_s,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
-            access_log=args.access_log,
+            access_log=args.access_log, chunking_strategy=parse_chunking_strategy(args.chunking_strategy),
         )
         engine_config = EngineConfig(
             model=ModelConfig(

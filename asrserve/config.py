@@ -155,6 +155,9 @@ class ServerConfig:
     graceful_shutdown_timeout_s: float = 30.0
     # An upload that sends nothing for this long is refused with 408 (and frees its slot).
     upload_idle_timeout_s: float = 30.0
+    # How audio over 30 s is cut for requests that send no chunking_strategy: an
+    # asrserve.audio.chunking.ChunkingStrategy; None: asrserve.audio.chunking.DEFAULT_CHUNKING.
+    chunking_strategy: object | None = None
     log_level: str = "info"
     # One log line per HTTP request (uvicorn's access log); never includes headers or keys.
     access_log: bool = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import math
 import io
 import json
 import re
@@ -18,7 +19,7 @@ import openai
 import pytest
 import soundfile
 
-from asrserve.audio.chunking import split_audio
+from asrserve.audio.chunking import DEFAULT_CHUNKING, cut_audio, split_audio
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
 from tests.conftest import SENTENCES
@@ -303,13 +304,20 @@ def test_long_audio_segments_carry_each_pieces_offset(client, long_speech):
     with open(path, "rb") as file:
         result = client.audio.transcriptions.create(model="tiny.en", file=file, response_format="verbose_json")
     duration = len(audio) / SAMPLE_RATE
-    pieces = split_audio(audio)
+    pieces = cut_audio(audio, DEFAULT_CHUNKING)  # as the server cut it
+    assert len(pieces) >= 3
     segments = result.segments
     assert all(0 <= s.start < s.end <= duration + 1e-3 for s in segments)
     assert all(a.start <= b.start and a.end <= b.start + 1e-6 for a, b in zip(segments, segments[1:]))
-    # Every piece has its segments, placed after the piece's real start.
+    # Every piece has its segments, placed after the piece's real start; a continuation's
+    # segments carry its own start, inside its piece.
     seeks = sorted({s.seek for s in segments})
-    assert seeks == [round(piece.start_seconds * 100) for piece in pieces]
+    assert {math.floor(piece.start_seconds * 100 + 1e-6) for piece in pieces} <= set(seeks)
+    for seek in seeks:
+        assert any(
+            math.floor(p.start_seconds * 100 + 1e-6) <= seek < (p.start_seconds + len(p.samples) / SAMPLE_RATE) * 100
+            for p in pieces
+        )
     for segment in segments:
         assert segment.start >= segment.seek / 100 - 1e-6
     assert segments[-1].end > duration - 15
@@ -384,6 +392,30 @@ def test_long_audio_is_cut_in_pauses_and_transcribed_in_order(client, long_speec
             matched[number] += 1
     for number, index in enumerate(order):
         assert matched[number] >= 0.5 * len(_words(SENTENCES[index])), (number, SENTENCES[index], text)
+
+
+def test_chunking_strategy_field(server, client, long_speech):
+    """OpenAI's chunking_strategy: "auto" and server_vad (one JSON field, or the bracketed
+    fields OpenAI's SDKs send) cut at voice activity; bad values are a 400 naming the field."""
+    path, _, order = long_speech
+    data = path.read_bytes()
+    texts = []
+    for fields in (
+        {"chunking_strategy": "auto"},
+        {"chunking_strategy": '{"type": "server_vad", "threshold": 0.5, "silence_duration_ms": 300}'},
+        {"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "200"},
+    ):
+        response = _post(server, files={"file": data}, data=fields)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["text"])
+    for text in texts:  # the sentences are there, in order
+        matcher = difflib.SequenceMatcher(None, _words(" ".join(SENTENCES[i] for i in order)), _words(text))
+        assert matcher.ratio() > 0.7, text
+    for bad in ("sometimes", '{"type": "semantic_vad"}', '{"type": "server_vad", "threshold": 7}', "{oops"):
+        response = _post(server, files={"file": data}, data={"chunking_strategy": bad})
+        assert response.status_code == 400, (bad, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "chunking_strategy" and "chunking_strategy" in error["message"], error
 
 
 # --- disconnects, load and metrics ---------------------------------------------------------

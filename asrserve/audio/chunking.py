@@ -1,7 +1,10 @@
-"""Splits audio longer than 30 s into pieces the encoder can take, cutting where it is quiet.
+"""Splits audio longer than 30 s into pieces the encoder can take.
 
-For each 30 s span we look at its last second in 100 ms windows (sliding by 10 ms) and cut at
-the middle of the window with the least energy, so cuts land in pauses rather than in words.
+Two strategies. "energy" (split_audio): for each 30 s span we look at its last second in
+100 ms windows (sliding by 10 ms) and cut at the middle of the window with the least energy, so
+cuts land in pauses rather than in words; every sample is decoded. "vad" (OpenAI's server_vad,
+asrserve.audio.vad): Silero VAD finds the speech, regions are merged into pieces of at most
+30 s, and long non-speech between pieces is never decoded.
 """
 
 from __future__ import annotations
@@ -17,6 +20,70 @@ WINDOW_SAMPLES = SAMPLE_RATE // 10  # 100 ms
 HOP_SAMPLES = SAMPLE_RATE // 100  # 10 ms
 
 
+CHUNKING_TYPES = ("energy", "server_vad")
+
+
+@dataclass(frozen=True)
+class ChunkingStrategy:
+    """How audio longer than 30 s is cut. type "server_vad" takes OpenAI's fields: the speech
+    probability threshold, the padding kept before speech, and the silence that ends a speech
+    region (None: asrserve.audio.vad's defaults)."""
+
+    type: str = "energy"
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+
+    @classmethod
+    def parse(cls, value: "str | dict | ChunkingStrategy | None", default: "ChunkingStrategy") -> "ChunkingStrategy":
+        """OpenAI's chunking_strategy: "auto" (voice activity, default settings), or
+        {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"};
+        asrserve also takes "energy" (cut at quiet points) and "server_vad". None: `default`.
+        Raises ValueError saying what is wrong."""
+        if value is None:
+            return default
+        if isinstance(value, ChunkingStrategy):
+            return value
+        if isinstance(value, str):
+            if value == "auto":
+                return cls("server_vad")
+            if value in CHUNKING_TYPES:
+                return cls(value)
+            raise ValueError(f"must be 'auto' or an object with type 'server_vad', got {value!r}")
+        if not isinstance(value, dict):
+            raise ValueError("must be 'auto' or an object with type 'server_vad'")
+        unknown = set(value) - {"type", "threshold", "prefix_padding_ms", "silence_duration_ms"}
+        if unknown:
+            raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
+        if value.get("type") not in CHUNKING_TYPES:
+            raise ValueError(f"type must be 'server_vad', got {value.get('type')!r}")
+        threshold = _number(value, "threshold", 0.0, 1.0, float)
+        padding = _number(value, "prefix_padding_ms", 0, 10_000, int)
+        silence = _number(value, "silence_duration_ms", 0, 10_000, int)
+        return cls(value["type"], threshold, padding, silence)
+
+
+# For requests and calls that name no strategy: chosen by measured WER and speed
+# (docs/benchmarks.md#long-audio).
+DEFAULT_CHUNKING = ChunkingStrategy("server_vad")
+
+
+def _number(value: dict, name: str, low, high, kind):
+    """value[name] as `kind` within [low, high], or None when absent."""
+    raw = value.get(name)
+    if raw is None:
+        return None
+    try:
+        if isinstance(raw, bool) or (kind is int and float(raw) != int(float(raw))):
+            raise ValueError
+        number = kind(float(raw))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not low <= number <= high or number != number:
+        raise ValueError(f"{name} must be between {low} and {high}, got {raw!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class AudioPiece:
     offset: int  # first sample of the piece in the whole audio
@@ -25,6 +92,22 @@ class AudioPiece:
     @property
     def start_seconds(self) -> float:
         return self.offset / SAMPLE_RATE
+
+
+def cut_audio(audio: np.ndarray, strategy: ChunkingStrategy) -> list[AudioPiece]:
+    """Pieces of at most 30 s. Audio of 30 s or less is one piece whatever the strategy."""
+    if len(audio) <= N_SAMPLES:
+        return [AudioPiece(0, audio)]
+    if strategy.type == "energy":
+        return split_audio(audio)
+    from asrserve.audio.vad import vad_pieces  # loads Silero on first use
+
+    options = {
+        name: getattr(strategy, name)
+        for name in ("threshold", "prefix_padding_ms", "silence_duration_ms")
+        if getattr(strategy, name) is not None
+    }
+    return vad_pieces(audio, **options)
 
 
 def split_audio(audio: np.ndarray, max_samples: int = N_SAMPLES) -> list[AudioPiece]:
@@ -37,6 +120,23 @@ def split_audio(audio: np.ndarray, max_samples: int = N_SAMPLES) -> list[AudioPi
         start = cut
     pieces.append(AudioPiece(start, audio[start:]))
     return pieces
+
+
+def has_sound(region: np.ndarray, reference: np.ndarray) -> bool:
+    """Whether `region` has a 100 ms window at least a tenth as loud (RMS) as the loud part of
+    `reference` (its 90th-percentile window): speech rather than room noise or silence."""
+    region_rms = _window_rms(region)
+    reference_rms = _window_rms(reference)
+    if not len(region_rms) or not len(reference_rms):
+        return False
+    return bool(region_rms.max() >= 0.1 * np.percentile(reference_rms, 90) and region_rms.max() > 1e-4)
+
+
+def _window_rms(samples: np.ndarray) -> np.ndarray:
+    """RMS of consecutive 100 ms windows."""
+    count = len(samples) // WINDOW_SAMPLES
+    windows = samples[: count * WINDOW_SAMPLES].astype(np.float64).reshape(count, WINDOW_SAMPLES)
+    return np.sqrt((windows**2).mean(axis=1))
 
 
 def _quietest_point(region: np.ndarray) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asrserve.audio.chunking import split_audio
+from asrserve.audio.chunking import DEFAULT_CHUNKING, ChunkingStrategy, cut_audio
 from asrserve.audio.decode import AudioError, AudioSource, load_audio
 from asrserve.config import (
     SAMPLE_RATE,
@@ -20,7 +20,8 @@ from asrserve.config import (
 )
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
-from asrserve.entrypoints.pieces import PieceResult, transcript_text
+from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
+from asrserve.entrypoints.pieces import PieceResult, long_form_params, transcript_text
 from asrserve.entrypoints.segments import Segment, Word, build_segments
 from asrserve.errors import InvalidRequestError
 
@@ -53,6 +54,17 @@ class _Job:
     pieces: list[PieceResult] = field(default_factory=list)
     remaining: int = 0
     error: str | None = None
+    params: SamplingParams | None = None  # what its pieces decode with
+
+
+@dataclass
+class _PieceRequest:
+    """An engine request for one piece (or a continuation of one) of a job."""
+
+    job: _Job
+    result: PieceResult
+    samples: np.ndarray
+    depth: int = 0  # continuations before this one
 
 
 class ASR:
@@ -102,10 +114,16 @@ class ASR:
         word_timestamps: bool = False,
         prompt: str | None = None,
         fallback: bool = True,
+        chunking_strategy: str | dict | ChunkingStrategy | None = None,
+        seek_continuation: bool = True,
     ) -> list[Transcription]:
         """Transcribes one input or many (paths, encoded bytes, or 16 kHz float arrays).
 
-        Audio longer than 30 s is cut at quiet points and its pieces transcribed together.
+        Audio longer than 30 s is cut into pieces that are transcribed together, with timestamp
+        tokens (Whisper's long-form mode, whatever the output): chunking_strategy "energy" (the
+        default) cuts at quiet points, "auto" or {"type": "server_vad", ...} at voice-activity
+        boundaries, skipping non-speech (OpenAI's field). seek_continuation: decode the rest of a
+        piece again from its last segment when Whisper stopped early in it.
         errors="raise" raises AudioError / InvalidRequestError for the first bad input before
         anything runs; errors="return" gives that input a Transcription with `error` set.
         timestamps: decode with timestamp tokens and return segments; word_timestamps: also
@@ -119,6 +137,7 @@ class ASR:
             sources, language=language, task=task, temperature=temperature, seed=seed,
             max_tokens=max_tokens, errors=errors, progress=progress, timestamps=timestamps,
             word_timestamps=word_timestamps, prompt=prompt, fallback=fallback,
+            chunking_strategy=chunking_strategy, seek_continuation=seek_continuation,
         ):
             results[index] = transcription
         return results  # type: ignore[return-value]
@@ -139,6 +158,8 @@ class ASR:
         word_timestamps: bool = False,
         prompt: str | None = None,
         fallback: bool = True,
+        chunking_strategy: str | dict | ChunkingStrategy | None = None,
+        seek_continuation: bool = True,
     ) -> Iterator[tuple[int, Transcription]]:
         """Yields (input index, transcription) as each input completes. Inputs are decoded
         lazily, keeping at most max_in_flight pieces queued, so a long list of files never
@@ -151,12 +172,22 @@ class ASR:
             word_timestamps=word_timestamps,
         )
         language = self.engine.check_language(language, task)
+        try:
+            strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)
+        except ValueError as error:
+            raise InvalidRequestError(f"chunking_strategy: {error}") from None
         max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
         engine = self.engine
         pending = iter(enumerate(sources))
-        jobs_by_request: dict[str, tuple[_Job, int]] = {}  # request id -> (job, piece index)
+        requests: dict[str, _PieceRequest] = {}  # in the engine, by request id
         in_flight = 0
         bar = _progress_bar(len(sources)) if progress else None
+
+        def add(job: _Job, piece: _PieceRequest, piece_language: str | None, piece_prompt: str | None) -> None:
+            request_id = f"offline-{next(self._next_id)}"
+            engine.add_request(request_id, piece.samples, piece_language, task, job.params, piece_prompt)
+            requests[request_id] = piece
+            job.remaining += 1
 
         def submit(index: int, source: AudioSource) -> _Job:
             job = _Job(index, str(source) if isinstance(source, (str, Path)) else None)
@@ -168,17 +199,29 @@ class ASR:
                 job.error = str(error)
                 return job
             job.duration = len(samples) / SAMPLE_RATE
-            pieces = split_audio(samples)
-            job.pieces = [
-                PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
-                for piece in pieces
-            ]
-            job.remaining = len(pieces)
-            for piece_index, piece in enumerate(pieces):
-                request_id = f"offline-{next(self._next_id)}"
-                engine.add_request(request_id, piece.samples, language, task, params, prompt)
-                jobs_by_request[request_id] = (job, piece_index)
+            pieces = cut_audio(samples, strategy)
+            job.params = long_form_params(params, job.duration)
+            for piece in pieces:
+                result = PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
+                job.pieces.append(result)
+                add(job, _PieceRequest(job, result, piece.samples), language, prompt)
             return job
+
+        def finished(piece: _PieceRequest) -> int:
+            """Continues the piece if Whisper left it unfinished; returns the requests added."""
+            if not seek_continuation:
+                return 0
+            plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt)
+            if plan is None:
+                return 0
+            parent = piece.result
+            seek = round(plan.seek_s * SAMPLE_RATE)
+            child = PieceResult(parent.offset_s + seek / SAMPLE_RATE, len(piece.samples[seek:]) / SAMPLE_RATE,
+                                language=parent.language, is_continuation=True)
+            piece.job.pieces.insert(piece.job.pieces.index(parent) + 1, child)
+            add(piece.job, _PieceRequest(piece.job, child, piece.samples[seek:], piece.depth + 1),
+                parent.language or language, plan.prompt)
+            return 1
 
         try:
             exhausted = False
@@ -197,18 +240,20 @@ class ASR:
                 if not engine.has_work():
                     break
                 for output in engine.step():
-                    job, piece_index = jobs_by_request[output.request_id]
-                    job.pieces[piece_index].add(output)
+                    piece = requests[output.request_id]
+                    piece.result.add(output)
                     if output.finished:
-                        del jobs_by_request[output.request_id]
-                        in_flight -= 1
+                        del requests[output.request_id]
+                        job = piece.job
+                        added = finished(piece)
+                        in_flight += added - 1
                         job.remaining -= 1
                         if job.remaining == 0:
                             if bar is not None:
                                 bar.update(1)
                             yield job.index, self._finish(job, params)
         finally:
-            for request_id in list(jobs_by_request):  # the caller stopped early: free everything
+            for request_id in list(requests):  # the caller stopped early: free everything
                 engine.abort(request_id)
             while engine.has_work():
                 engine.step()
@@ -218,8 +263,10 @@ class ASR:
     def _finish(self, job: _Job, params: SamplingParams) -> Transcription:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
+        drop_repeated_words(self.tokenizer, job.pieces)
         language = next((piece.language for piece in job.pieces if piece.language), None)
         spoken = [piece for piece in job.pieces if not piece.is_silence]
+        is_timestamp = self.tokenizer.is_timestamp
         all_logprobs = [lp for piece in spoken for lp in piece.logprobs]
         segments = None
         if params.timestamps:
@@ -228,7 +275,7 @@ class ASR:
             text=transcript_text(self.tokenizer, job.pieces, language),
             language=language,
             duration=job.duration,
-            token_ids=[t for piece in spoken for t in piece.token_ids],
+            token_ids=[t for piece in spoken for t in piece.token_ids if params.timestamps or not is_timestamp(t)],
             avg_logprob=sum(all_logprobs) / len(all_logprobs) if all_logprobs else None,
             source=job.source,
             segments=segments,

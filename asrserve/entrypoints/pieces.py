@@ -3,9 +3,10 @@ transcript text of several pieces joined."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from asrserve.engine.request import DecodeSummary, RequestOutput
+from asrserve.config import CHUNK_SECONDS
+from asrserve.engine.request import DecodeSummary, RequestOutput, SamplingParams
 from asrserve.model.languages import NO_SPACE_LANGUAGES
 from asrserve.model.tokenizer import WhisperTokenizer
 
@@ -19,6 +20,7 @@ class PieceResult:
     language: str | None = None
     summary: DecodeSummary | None = None  # once finished
     finish_reason: str | None = None
+    is_continuation: bool = False  # decodes the rest of the piece before it (entrypoints.continuation)
 
     def add(self, output: RequestOutput) -> None:
         if output.restarted:  # a temperature fallback: what came before is void
@@ -50,6 +52,16 @@ class PieceResult:
 
     def num_text_tokens(self, eot: int) -> int:
         return sum(1 for token in self.token_ids if token < eot)
+
+
+def long_form_params(params: SamplingParams, duration_s: float) -> SamplingParams:
+    """Audio longer than 30 s decodes with timestamp tokens whatever the response format asks
+    for, as openai/whisper's and faster-whisper's long-form transcription do: without them
+    Whisper drops whole sentences of a dense 30 s piece, and seek continuation needs the
+    segments' ends. The response drops the timestamps again."""
+    if duration_s > CHUNK_SECONDS and not params.timestamps:
+        return replace(params, timestamps=True)
+    return params
 
 
 def separator_for(language: str | None) -> str:

@@ -1,5 +1,6 @@
 """Audio work off the event loop: a bounded pool of threads decodes each upload, mixes it to
-mono, resamples it to 16 kHz and cuts it into pieces of at most 30 s.
+mono, resamples it to 16 kHz and cuts it into pieces of at most 30 s (at quiet points, or at
+voice-activity boundaries with the process's one shared Silero model).
 
 Jobs wait in the pool's queue in arrival order. A job whose client has left is cancelled
 before it starts; one already running finishes and is dropped."""
@@ -12,7 +13,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from asrserve.audio.chunking import AudioPiece, split_audio
+from asrserve.audio.chunking import DEFAULT_CHUNKING, AudioPiece, ChunkingStrategy, cut_audio
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
 
@@ -38,11 +39,11 @@ class PreprocessPool:
     def num_queued(self) -> int:
         return self._num_queued
 
-    async def prepare(self, data: bytes | bytearray) -> PreparedAudio:
+    async def prepare(self, data: bytes | bytearray, strategy: ChunkingStrategy = DEFAULT_CHUNKING) -> PreparedAudio:
         """Raises AudioError (and AudioTooLongError) for audio a user got wrong."""
         with self._lock:
             self._num_queued += 1
-        future: Future = self._executor.submit(self._run, data)
+        future: Future = self._executor.submit(self._run, data, strategy)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -51,11 +52,11 @@ class PreprocessPool:
                     self._num_queued -= 1
             raise
 
-    def _run(self, data: bytes | bytearray) -> PreparedAudio:
+    def _run(self, data: bytes | bytearray, strategy: ChunkingStrategy) -> PreparedAudio:
         with self._lock:
             self._num_queued -= 1
         samples = load_audio(data, max_duration_s=self.max_duration_s)
-        return PreparedAudio(split_audio(samples), len(samples) / SAMPLE_RATE)
+        return PreparedAudio(cut_audio(samples, strategy), len(samples) / SAMPLE_RATE)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -57,6 +57,10 @@ class TranscriptionRequest(BaseModel):
     # asrserve's extension (OpenAI SDK: extra_body={"temperature_fallback": False}): at
     # temperature 0, decode once instead of retrying failed pieces at higher temperatures.
     temperature_fallback: bool = True
+    # "auto", or {"type": "server_vad", ...}: a JSON object in one field, or its fields sent as
+    # chunking_strategy[type], chunking_strategy[threshold], ... (as OpenAI's SDKs send objects).
+    # Checked by asrserve.audio.chunking.ChunkingStrategy.parse.
+    chunking_strategy: str | dict[str, str] | None = None
 
     @classmethod
     def from_form(cls, fields: dict[str, list[str]]) -> "TranscriptionRequest":
@@ -67,7 +71,11 @@ class TranscriptionRequest(BaseModel):
             items = [item for item in items if item != ""]  # an empty field means "not given"
             if not items:
                 continue
-            if key == "timestamp_granularities":
+            if key.startswith("chunking_strategy[") and key.endswith("]"):
+                strategy = values.setdefault("chunking_strategy", {})
+                if isinstance(strategy, dict):
+                    strategy[key[len("chunking_strategy[") : -1]] = items[-1]
+            elif key == "timestamp_granularities":
                 values.setdefault(key, []).extend(items)
             else:
                 values[key] = items[-1]

@@ -7,6 +7,7 @@ piece. Word times come from the engine's alignment (DecodeSummary.token_times)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,7 +95,7 @@ def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: i
         segments.append(
             Segment(
                 id=first_id + len(segments),
-                seek=round(piece.offset_s * 100),
+                seek=math.floor(piece.offset_s * 100 + 1e-6),  # never after the piece's start
                 start=piece.offset_s + start,
                 end=piece.offset_s + end,
                 text=text,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from asrserve.audio.chunking import DEFAULT_CHUNKING
 from asrserve.config import DEFAULT_MODEL, EngineConfig, ServerConfig
 from asrserve.engine.async_client import AsyncEngineClient
 from asrserve.entrypoints.auth import api_key_digest
@@ -25,6 +26,8 @@ class ServerState:
         self.pool = PreprocessPool(
             config.preprocess_workers or default_preprocess_workers(), config.max_audio_duration_s
         )
+        # For requests that send no chunking_strategy.
+        self.chunking_strategy = config.chunking_strategy or DEFAULT_CHUNKING
         self.metrics = ServerMetrics()
         self.engine.on_stats = self.metrics.record_engine
         self.engine.on_abort = self.metrics.engine_requests_aborted.inc

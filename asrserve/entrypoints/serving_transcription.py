@@ -15,6 +15,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from asrserve.audio.chunking import DEFAULT_CHUNKING, ChunkingStrategy
 from asrserve.audio.decode import AudioError, AudioTooLongError
 from asrserve.engine.async_client import EngineDeadError
 from asrserve.engine.request import SamplingParams
@@ -77,7 +78,7 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
             language = check_language(state.tokenizer, state.model_name, params.language, task)
         except InvalidRequestError as error:
             raise APIError(400, str(error), param="language" if params.language else "model") from None
-        job_params = TranscriptionParams(language, task, params, endpoint, arrival)
+        job_params = TranscriptionParams(language, task, params, endpoint, arrival, state.chunking_strategy)
         try:
             return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
         except asyncio.CancelledError:
@@ -105,7 +106,11 @@ def _check_format(params: TranscriptionRequest) -> None:
 class TranscriptionParams:
     """A validated request as the engine and the renderer need it."""
 
-    def __init__(self, language: str | None, task: str, params: TranscriptionRequest, endpoint: str, arrival: float):
+    def __init__(
+        self, language: str | None, task: str, params: TranscriptionRequest, endpoint: str, arrival: float,
+        default_chunking: ChunkingStrategy = DEFAULT_CHUNKING,
+    ):
+        self.chunking = _chunking_strategy(params.chunking_strategy, default_chunking)
         self.language = language
         self.task = task
         self.request = params
@@ -118,6 +123,18 @@ class TranscriptionParams:
             params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
             timestamps=self.timestamps, word_timestamps=self.words,
         )
+
+
+def _chunking_strategy(value: str | dict | None, default: ChunkingStrategy) -> ChunkingStrategy:
+    if isinstance(value, str) and value.strip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise APIError(400, "chunking_strategy: not valid JSON", param="chunking_strategy") from None
+    try:
+        return ChunkingStrategy.parse(value, default)
+    except ValueError as error:
+        raise APIError(400, f"chunking_strategy: {error}", param="chunking_strategy") from None
 
 
 class _WaitingSlot:
@@ -139,7 +156,7 @@ async def _transcribe(
     state: ServerState, audio: bytearray, job_params: TranscriptionParams, waiting: _WaitingSlot
 ) -> Response:
     try:
-        prepared = await state.pool.prepare(audio)
+        prepared = await state.pool.prepare(audio, job_params.chunking)
     except AudioTooLongError as error:
         raise APIError(400, str(error), param="file", code="audio_too_long") from None
     except AudioError as error:

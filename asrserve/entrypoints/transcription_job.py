@@ -1,18 +1,23 @@
 """One HTTP transcription: its audio pieces run as engine requests side by side, and their
-text comes back in order, as deltas, joined the way offline transcription joins it."""
+text comes back in order, as deltas, joined the way offline transcription joins it. A piece
+Whisper left unfinished is continued by a new request for its rest (entrypoints.continuation)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import numpy as np
+
 from asrserve.config import SAMPLE_RATE
-from asrserve.engine.async_client import AsyncEngineClient
+from asrserve.engine.async_client import AsyncEngineClient, RequestStream
 from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
-from asrserve.entrypoints.pieces import PieceResult, separator_for, transcript_text
+from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length
+from asrserve.entrypoints.pieces import PieceResult, long_form_params, separator_for, transcript_text
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.errors import InvalidRequestError
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -32,7 +37,15 @@ class IncrementalText:
         if not token_ids:  # language or end-of-text steps: nothing new to decode
             return ""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids).strip()
+        return self._delta(self.token_ids)
+
+    def update(self, token_ids: list[int]) -> str:
+        """The piece's text is now that of `token_ids` (a longer list than the last)."""
+        self.token_ids = list(token_ids)
+        return self._delta(self.token_ids)
+
+    def _delta(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids).strip()
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""
         delta, self.emitted = text[len(self.emitted) :], text
@@ -61,28 +74,57 @@ class TranscriptionJob:
         sampling_params: SamplingParams,
         max_completion_tokens: int | None,
         prompt: str | None = None,
+        seek_continuation: bool = True,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.duration_s = audio.duration_s
         self.language = language
+        self.task = task
+        self.prompt = prompt
         self.max_completion_tokens = max_completion_tokens
+        self.seek_continuation = seek_continuation
+        self.sampling_params = long_form_params(sampling_params, audio.duration_s)
         self.text = ""
         self.num_output_tokens = 0
         self.first_token_time: float | None = None
         self.on_first_output: Callable[[], None] | None = None  # the engine has started on it
-        prefix = f"tr-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        self._prefix = f"tr-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        self._next_piece = itertools.count()
+        self._aborted = False
         # The prompt goes to every piece: they decode side by side, so none can take the text
-        # of the piece before it as Whisper's sequential decoding does.
-        self.requests = [
-            EngineRequest(f"{prefix}-{index}", piece.samples, language, task, sampling_params, prompt)
-            for index, piece in enumerate(audio.pieces)
-        ]
+        # of the piece before it as Whisper's sequential decoding does (continuations can).
+        self.requests = [self._request(piece.samples, language, prompt) for piece in audio.pieces]
         self.pieces = [
             PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
             for piece in audio.pieces
         ]
+        self._samples = [piece.samples for piece in audio.pieces]
         self.streams = engine.add(self.requests)
+
+    def _request(self, samples: np.ndarray, language: str | None, prompt: str | None) -> EngineRequest:
+        request_id = f"{self._prefix}-{next(self._next_piece)}"
+        return EngineRequest(request_id, samples, language, self.task, self.sampling_params, prompt)
+
+    def _continue(
+        self, piece: PieceResult, samples: np.ndarray, depth: int
+    ) -> tuple[RequestStream, PieceResult, np.ndarray] | None:
+        """Submits the rest of a finished piece Whisper left unfinished (and cuts the piece's
+        tokens where it starts): its stream, result and audio. None if the piece is done."""
+        if not self.seek_continuation or self._aborted:
+            return None
+        plan = plan_continuation(self.tokenizer, piece, samples, depth, self.prompt)
+        if plan is None:
+            return None
+        seek = round(plan.seek_s * SAMPLE_RATE)
+        language = piece.language or self.language
+        request = self._request(samples[seek:], language, plan.prompt)
+        self.requests.append(request)
+        child = PieceResult(
+            piece.offset_s + seek / SAMPLE_RATE, (len(samples) - seek) / SAMPLE_RATE, language=language,
+            is_continuation=True,
+        )
+        return self.engine.add([request])[0], child, samples[seek:]
 
     def _on_output(self, output) -> None:
         if self.on_first_output is not None:
@@ -97,45 +139,65 @@ class TranscriptionJob:
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text as it is decoded, for streaming: the requests must decode once (no fallback,
-        no silence judgement), since a delta once sent cannot be taken back."""
-        for stream in self.streams:
-            piece = IncrementalText(self.tokenizer)
-            piece_started = False
-            async for output in stream:
-                self._on_output(output)
-                assert not output.restarted, "a streamed request was decoded again"
-                tokens = [t for t in output.new_token_ids if t < self.tokenizer.special.eot]
-                if self.max_completion_tokens is not None:
-                    tokens = tokens[: self.max_completion_tokens - self.num_output_tokens]
-                self.num_output_tokens += len(tokens)
-                delta = piece.add(tokens)
-                if self._at_token_limit:
-                    delta += piece.finish()
+        no silence judgement), since a delta once sent cannot be taken back. For the same
+        reason a piece with timestamps shows only the segments a continuation cannot revoke
+        (entrypoints.continuation.settled_length) until it finishes."""
+        eot = self.tokenizer.special.eot
+        for stream, piece, samples in zip(self.streams, self.pieces, self._samples):
+            depth = 0
+            while True:
+                text = IncrementalText(self.tokenizer)
+                piece_started = False
+                budget = None if self.max_completion_tokens is None else self.max_completion_tokens - self.num_output_tokens
+                async for output in stream:
+                    self._on_output(output)
+                    assert not output.restarted, "a streamed request was decoded again"
+                    piece.add(output)
+                    settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
+                    delta = text.update(_text_tokens(settled, eot, budget))
+                    if budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget:
+                        break  # the limit is reached: what came is all this transcription shows
+                    if delta:
+                        if not piece_started and self.text:
+                            delta = self._separator + delta
+                        piece_started = True
+                        self.text += delta
+                        yield delta
+                at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
+                following = None if at_limit else self._continue(piece, samples, depth)
+                shown = _text_tokens(piece.token_ids, eot, budget)
+                self.num_output_tokens += len(shown)
+                delta = text.update(shown) + text.finish()
                 if delta:
                     if not piece_started and self.text:
                         delta = self._separator + delta
-                    piece_started = True
                     self.text += delta
                     yield delta
-                if self._at_token_limit:
+                if at_limit:
                     self.abort()
                     return
-            delta = piece.finish()
-            if delta:
-                if not piece_started and self.text:
-                    delta = self._separator + delta
-                self.text += delta
-                yield delta
+                if following is None:
+                    break
+                stream, piece, samples = following
+                depth += 1
 
     async def run(self) -> str:
-        """Waits for every piece's final decode (after any fallback) and returns the text;
-        self.pieces holds each piece's tokens and summary. Past max_completion_tokens the
-        remaining pieces are aborted and dropped."""
+        """Waits for every piece's final decode (after any fallback and continuation) and
+        returns the text; self.pieces holds each piece's tokens and summary, continuations in
+        place after their parents. Past max_completion_tokens the rest is dropped."""
+        chains = [
+            asyncio.ensure_future(self._decode_chain(stream, piece, samples))
+            for stream, piece, samples in zip(self.streams, self.pieces, self._samples)
+        ]
+        try:
+            done = [await chain for chain in chains]
+        finally:
+            for chain in chains:  # a failed or cancelled job stops the rest of its pieces
+                chain.cancel()
+        self.pieces = [piece for chain in done for piece in chain]
+        drop_repeated_words(self.tokenizer, self.pieces)
         eot = self.tokenizer.special.eot
-        for index, (stream, piece) in enumerate(zip(self.streams, self.pieces)):
-            async for output in stream:
-                self._on_output(output)
-                piece.add(output)
+        for index, piece in enumerate(self.pieces):
             if self.language is not None:
                 piece.language = piece.language or self.language
             if piece.is_silence:
@@ -144,14 +206,28 @@ class TranscriptionJob:
                 piece.truncate_text(self.max_completion_tokens - self.num_output_tokens, eot)
             self.num_output_tokens += piece.num_text_tokens(eot)
             if self._at_token_limit:
-                self.abort()
                 del self.pieces[index + 1 :]
                 break
         self.text = transcript_text(self.tokenizer, self.pieces, self.language)
         return self.text
 
+    async def _decode_chain(self, stream: RequestStream, piece: PieceResult, samples: np.ndarray) -> list[PieceResult]:
+        """One piece and its continuations, decoded one after another."""
+        chain = []
+        while True:
+            async for output in stream:
+                self._on_output(output)
+                piece.add(output)
+            chain.append(piece)
+            following = self._continue(piece, samples, depth=len(chain) - 1)
+            if following is None:
+                return chain
+            stream, piece, samples = following
+
     def abort(self) -> None:
-        """Frees the engine work of every unfinished piece (no-op for finished ones)."""
+        """Frees the engine work of every unfinished piece and continuation (no-op for
+        finished ones); no continuation starts after it."""
+        self._aborted = True
         self.engine.abort([request.request_id for request in self.requests])
 
     @property
@@ -161,3 +237,9 @@ class TranscriptionJob:
     @property
     def _at_token_limit(self) -> bool:
         return self.max_completion_tokens is not None and self.num_output_tokens >= self.max_completion_tokens
+
+
+def _text_tokens(token_ids: list[int], eot: int, budget: int | None) -> list[int]:
+    """The text tokens among `token_ids`, at most `budget` of them."""
+    text = [token for token in token_ids if token < eot]
+    return text if budget is None else text[: max(budget, 0)]

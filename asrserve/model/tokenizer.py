@@ -135,5 +135,8 @@ class WhisperTokenizer:
     def timestamp_seconds(self, token_id: int) -> float:
         return (token_id - self.special.timestamp_begin) * SECONDS_PER_TIMESTAMP
 
+    def timestamp_token(self, seconds: float) -> int:
+        return self.special.timestamp_begin + round(seconds / SECONDS_PER_TIMESTAMP)
+
     def language_of(self, token_id: int) -> str:
         return self._language_by_id[token_id]

@@ -1,0 +1,316 @@
+"""Voice-activity detection with Silero VAD: cut long audio into speech pieces for Whisper.
+
+Used for OpenAI's `chunking_strategy={"type": "server_vad", ...}`: find where people speak,
+skip the rest (never decoded, so no hallucinated text on silence), and merge speech into
+pieces of at most 30 s that start and end in pauses.
+
+Why our own model code: the silero-vad package runs its 512-sample windows one Python call at
+a time (~64x real time on one thread). The model is a convolutional front end applied to each
+window independently, then an LSTM, then a linear head; only the LSTM is sequential. So we run
+the front end over all windows in a few large batched convolutions and the LSTM over the whole
+sequence in one call. Same weights, same numbers within 1e-3, many times faster, which
+matters on a small CPU server where VAD competes with decoding.
+
+The weights come from the package's silero_vad.jit, the model its load_silero_vad() and
+get_speech_timestamps() use. Its silero_vad_16k.safetensors (for the tinygrad port) holds a
+different set of weights (only the STFT basis is the same; silero-vad issue #768) whose
+probabilities differ from the jit model's by up to ~0.5, so we do not use it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import threading
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from asrserve.audio.chunking import AudioPiece
+from asrserve.config import N_SAMPLES, SAMPLE_RATE
+
+WINDOW = 512  # samples per speech probability (32 ms at 16 kHz)
+CONTEXT = 64  # samples of the previous window each window also sees
+BLOCK_WINDOWS = 2048  # front-end batch (~65 s of audio): bounds memory on long audio
+SPLIT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where to look for a dip when speech runs past 30 s
+QUIET_SAMPLES = SAMPLE_RATE // 50  # 20 ms: the span whose energy places a cut inside a dip
+_PACKAGE = "silero_vad"
+
+# Defaults for offline transcription (OpenAI's server_vad defaults, 500 ms of silence, are tuned
+# for ending a live turn; offline we want to find pauses to cut at and silence to skip):
+# - threshold 0.5: Silero's own default; robust across datasets.
+# - prefix_padding_ms 300: kept before (and after) speech so Whisper hears the onset and the
+#   final consonants in full; Silero's probability lags speech by a window or two.
+# - silence_duration_ms 200: a pause this long ends a speech region. Shorter pauses (stop
+#   closures, 100 ms hesitations) occur inside words and phrases; 200 ms of silence almost
+#   always falls between words, so every region boundary is a safe place to cut, and there
+#   are enough of them to pack pieces close to 30 s.
+# - min_speech_ms 100: drop blips shorter than this; a short word ("no", "yes") is 150-300 ms
+#   and losing a word costs more than decoding a short noise.
+DEFAULT_THRESHOLD = 0.5
+DEFAULT_PREFIX_PADDING_MS = 300
+DEFAULT_SILENCE_DURATION_MS = 200
+DEFAULT_MIN_SPEECH_MS = 100
+
+_INSTALL_HINT = "server_vad chunking needs the Silero VAD model: pip install silero-vad"
+
+
+def _weights_path() -> Path:
+    # find_spec on the top-level package does not import it: importing silero_vad (or
+    # importlib.resources on silero_vad.data) would run its model.py, which calls
+    # torch.set_num_threads(1) for the whole process.
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(_INSTALL_HINT)
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "silero_vad.jit"
+    if not path.is_file():
+        raise ImportError(f"{_INSTALL_HINT} (its {path} is missing)")
+    return path
+
+
+class SileroVAD:
+    """Silero VAD v5/v6 (16 kHz), batched over windows. Thread-safe: weights are read-only and
+    every call keeps its state in local tensors."""
+
+    def __init__(self, weights: Path | None = None):
+        import torch
+
+        with warnings.catch_warnings():  # torch 2.10+ deprecates TorchScript; we only read its tensors
+            warnings.simplefilter("ignore", DeprecationWarning)
+            jit = torch.jit.load(str(weights or _weights_path()), map_location="cpu")
+        state = {
+            name[len("_model.") :]: tensor.detach().clone().float()
+            for name, tensor in jit.state_dict().items()
+            if name.startswith("_model.")
+        }
+        del jit  # we keep only the 16 kHz model's tensors
+        # The STFT is a conv whose rows are a periodic-Hann-windowed DFT (cos and sin rows);
+        # rfft of the windowed frames gives the same magnitudes with far fewer operations.
+        basis = state["stft.forward_basis_buffer"][:, 0]  # [258, 256]
+        self.hann = torch.hann_window(256, periodic=True)
+        dft = torch.fft.rfft(torch.eye(256) * self.hann, dim=0)  # column n: frame sample n
+        if not torch.allclose(torch.cat([dft.real, dft.imag]), basis, atol=1e-5):
+            raise RuntimeError("unexpected Silero VAD STFT basis: this silero-vad version is not supported")
+        # The encoder convs (kernel 3, padding 1) as matrices over [tap, in channel] rows.
+        self.convs = []
+        for i, stride in enumerate((1, 2, 2, 1)):
+            weight = state[f"encoder.{i}.reparam_conv.weight"]  # [out, in, 3]
+            matrix = weight.permute(2, 1, 0).reshape(-1, weight.shape[0]).contiguous()
+            self.convs.append((matrix, state[f"encoder.{i}.reparam_conv.bias"], stride))
+        self.lstm = torch.nn.LSTM(128, 128, batch_first=True)  # same gate layout as LSTMCell
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(self.lstm, f"{name}_l0").data.copy_(state[f"decoder.rnn.{name}"])
+        self.lstm.requires_grad_(False).eval()
+        self.head_weight = state["decoder.decoder.2.weight"][:, :, 0]  # [1, 128]
+        self.head_bias = state["decoder.decoder.2.bias"]
+
+    def _front_end(self, windows):
+        """[B, 576] windows (context + samples) -> [B, 128] LSTM inputs."""
+        import torch
+        import torch.nn.functional as F
+
+        x = F.pad(windows.unsqueeze(1), (0, CONTEXT), mode="reflect")[:, 0]  # [B, 640]
+        x = torch.fft.rfft(x.unfold(1, 256, 128) * self.hann).abs()  # [B, 4 frames, 129 bins]
+        for matrix, bias, stride in self.convs:  # channels last: [B, frames, channels]
+            taps = F.pad(x, (0, 0, 1, 1)).unfold(1, 3, stride)  # [B, frames out, channels, 3]
+            taps = taps.transpose(2, 3).reshape(x.shape[0], taps.shape[1], -1)
+            x = torch.relu(torch.matmul(taps, matrix).add_(bias))
+        return x[:, 0]  # down to one frame per window
+
+    def probabilities(self, samples: np.ndarray) -> np.ndarray:
+        """One speech probability per 512-sample window (the last one zero-padded), float32."""
+        import torch
+
+        samples = np.asarray(samples, dtype=np.float32)
+        count = -(-len(samples) // WINDOW)
+        if count == 0:
+            return np.zeros(0, np.float32)
+        with torch.inference_mode(), _one_thread():
+            # Window k sees samples [512k - 64, 512k + 512): zeros before the start, as the
+            # reference's initial context, and zeros after the end, as its padded last window.
+            audio = torch.zeros(CONTEXT + count * WINDOW)
+            audio[CONTEXT : CONTEXT + len(samples)] = torch.from_numpy(samples)
+            windows = audio.unfold(0, WINDOW + CONTEXT, WINDOW)  # [count, 576], a view
+            features = torch.cat(
+                [self._front_end(windows[i : i + BLOCK_WINDOWS]) for i in range(0, count, BLOCK_WINDOWS)]
+            )
+            hidden, _ = self.lstm(features.unsqueeze(0))  # [1, count, 128], the one sequential step
+            logits = torch.relu(hidden[0]) @ self.head_weight.T + self.head_bias
+            return torch.sigmoid(logits)[:, 0].numpy()
+
+
+@contextmanager
+def _one_thread():
+    """Runs torch ops of the calling thread on that thread alone. Concurrent requests, and the
+    engine, keep the other cores busy: there, a two-thread OpenMP team per call made the VAD
+    2-4x slower than one thread (each small op waits for a descheduled partner), and several
+    preprocessing threads with a team each oversubscribed the cores. torch.set_num_threads
+    changes this thread's OpenMP/MKL count, and the default for threads that start torch
+    meanwhile; both go back to what they were afterwards."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+_vad: SileroVAD | None = None
+_vad_lock = threading.Lock()
+
+
+def get_vad() -> SileroVAD:
+    """The process's shared model, loaded on first use."""
+    global _vad
+    if _vad is None:
+        with _vad_lock:
+            if _vad is None:
+                _vad = SileroVAD()
+    return _vad
+
+
+def speech_probabilities(samples: np.ndarray) -> np.ndarray:
+    """Speech probability of each 32 ms window of 16 kHz mono audio."""
+    return get_vad().probabilities(samples)
+
+
+def _raw_regions(probs, num_samples, threshold, min_silence_ms, min_speech_ms) -> list[list[int]]:
+    """Unpadded [start, end) speech regions: silero's get_speech_timestamps without max_speech."""
+    neg_threshold = max(threshold - 0.15, 0.01)
+    min_silence = SAMPLE_RATE * min_silence_ms / 1000
+    min_speech = SAMPLE_RATE * min_speech_ms / 1000
+    regions: list[list[int]] = []
+    triggered, start, silence_start = False, 0, 0
+    for i, prob in enumerate(np.asarray(probs, dtype=np.float64).tolist()):
+        position = i * WINDOW
+        if prob >= threshold:
+            silence_start = 0
+            if not triggered:
+                triggered, start = True, position
+            continue
+        if triggered and prob < neg_threshold:
+            if not silence_start:
+                silence_start = position
+            if position - silence_start >= min_silence:
+                if silence_start - start > min_speech:
+                    regions.append([start, silence_start])
+                triggered, silence_start = False, 0
+    if triggered and num_samples - start > min_speech:
+        regions.append([start, num_samples])
+    return regions
+
+
+def _pad(regions: list[list[int]], num_samples: int, speech_pad_ms: float) -> list[tuple[int, int]]:
+    """Pads each region on both sides; neighbours closer than two pads meet halfway."""
+    pad = SAMPLE_RATE * speech_pad_ms / 1000
+    regions = [list(region) for region in regions]
+    for i, region in enumerate(regions):
+        if i == 0:
+            region[0] = int(max(0, region[0] - pad))
+        if i + 1 < len(regions):
+            following = regions[i + 1]
+            gap = following[0] - region[1]
+            if gap < 2 * pad:
+                region[1] += int(gap // 2)
+                following[0] = int(max(0, following[0] - gap // 2))
+            else:
+                region[1] = int(min(num_samples, region[1] + pad))
+                following[0] = int(max(0, following[0] - pad))
+        else:
+            region[1] = int(min(num_samples, region[1] + pad))
+    return [(start, end) for start, end in regions]
+
+
+def regions_from_probabilities(
+    probs: np.ndarray,
+    num_samples: int,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_silence_ms: float = 100,
+    speech_pad_ms: float = 30,
+    min_speech_ms: float = 250,
+) -> list[tuple[int, int]]:
+    """[start, end) sample offsets of speech, from per-window probabilities. Same result as
+    silero's get_speech_timestamps (with its defaults here): a region starts at a window with
+    prob >= threshold and ends where min_silence_ms of prob < threshold - 0.15 begins; regions
+    of at most min_speech_ms are dropped; each side is padded by speech_pad_ms, neighbours that
+    are closer than two pads meeting halfway."""
+    return _pad(_raw_regions(probs, num_samples, threshold, min_silence_ms, min_speech_ms), num_samples, speech_pad_ms)
+
+
+def speech_regions(
+    samples: np.ndarray,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_silence_ms: float = 100,
+    speech_pad_ms: float = 30,
+    min_speech_ms: float = 250,
+    *,
+    probs: np.ndarray | None = None,
+) -> list[tuple[int, int]]:
+    """Speech regions of 16 kHz mono `samples` as [start, end) sample offsets (see
+    regions_from_probabilities); `probs` saves running the model again when already known."""
+    probs = speech_probabilities(samples) if probs is None else probs
+    return regions_from_probabilities(probs, len(samples), threshold, min_silence_ms, speech_pad_ms, min_speech_ms)
+
+
+def _split_long(start: int, end: int, probs: np.ndarray, samples: np.ndarray, limit: int) -> list[list[int]]:
+    """Cuts an unpadded region longer than `limit` at its least speech-like window within the
+    last few seconds before each limit: a pause too short to end the region, if there is one."""
+    parts = []
+    while end - start > limit:
+        first = -(-max(start, start + limit - SPLIT_SEARCH_SAMPLES) // WINDOW)
+        last = (start + limit) // WINDOW  # windows [first, last) lie inside the limit
+        dip = first + int(np.argmin(probs[first:last]))
+        # The probability lags the audio by a window or two, so the pause that made the dip
+        # ends in the dip's window: cut at the quietest 20 ms of it and the two windows before.
+        low, high = max(start + WINDOW, (dip - 2) * WINDOW), min(start + limit, (dip + 1) * WINDOW)
+        cut = low + _quietest(samples[low:high]) if high > low else max(dip * WINDOW, start + WINDOW)
+        parts.append([start, cut])
+        start = cut
+    parts.append([start, end])
+    return parts
+
+
+def _quietest(region: np.ndarray) -> int:
+    """Offset in `region` of the centre of its lowest-energy QUIET_SAMPLES span."""
+    width = min(QUIET_SAMPLES, len(region))
+    energy = np.concatenate([[0.0], np.cumsum(region.astype(np.float64) ** 2)])
+    return int(np.argmin(energy[width:] - energy[:-width])) + width // 2
+
+
+def vad_pieces(
+    samples: np.ndarray,
+    threshold: float = DEFAULT_THRESHOLD,
+    prefix_padding_ms: float = DEFAULT_PREFIX_PADDING_MS,
+    silence_duration_ms: float = DEFAULT_SILENCE_DURATION_MS,
+    max_samples: int = N_SAMPLES,
+    min_speech_ms: float = DEFAULT_MIN_SPEECH_MS,
+    *,
+    probs: np.ndarray | None = None,
+) -> list[AudioPiece]:
+    """The speech in 16 kHz mono `samples` as pieces of at most `max_samples`, in order, not
+    overlapping, cut only between speech regions (or, inside a region longer than that, at its
+    lowest-probability point). Audio between pieces is not speech and is left out; no speech
+    at all gives []. Parameters are those of OpenAI's server_vad chunking strategy."""
+    samples = np.asarray(samples, dtype=np.float32)
+    probs = speech_probabilities(samples) if probs is None else np.asarray(probs)
+    pad = math.ceil(SAMPLE_RATE * prefix_padding_ms / 1000) + 1  # + 1: _pad rounds its ends
+    if max_samples <= 2 * pad + 2 * WINDOW:
+        raise ValueError(f"max_samples ({max_samples}) leaves no room for speech between the pads")
+    raw = _raw_regions(probs, len(samples), threshold, silence_duration_ms, min_speech_ms)
+    # Split before padding, so that each part is still <= max_samples once padded and no cut
+    # falls in the padding (which would leave a piece of bare silence).
+    raw = [part for start, end in raw for part in _split_long(start, end, probs, samples, max_samples - 2 * pad)]
+    spans: list[list[int]] = []
+    for start, end in _pad(raw, len(samples), prefix_padding_ms):  # WhisperX's cut & merge
+        if spans and end - spans[-1][0] <= max_samples:
+            spans[-1][1] = end
+        else:
+            spans.append([start, end])
+    return [AudioPiece(start, samples[start:end]) for start, end in spans if end > start]

@@ -1,0 +1,208 @@
+"""Seek continuation: when Whisper leaves a piece unfinished, the rest of the piece is decoded
+again, from where its last good segment ended, as a new engine request.
+
+openai/whisper decodes long audio one 30 s window after another and starts each window at the
+last timestamp of the one before (its "seek"), so speech a window skipped is read again by the
+next. asrserve cuts the audio into pieces and decodes them side by side, so nothing reads a
+piece a second time unless we ask: a piece whose decode stopped early, ran out of tokens in
+the middle of a segment, or wrote an implausibly long segment for its few words (tiny.en's
+"24 s segment of five words", which skips the forty words under it) gets a continuation
+request for the rest of it, batched with everything else. The piece's own tokens are cut at
+the seek point, so text is never written twice, and the continuation's times are offset by
+where it starts, so segment and word times stay absolute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import re
+
+import numpy as np
+
+from asrserve.audio.chunking import has_sound
+from asrserve.config import SAMPLE_RATE
+from asrserve.entrypoints.pieces import PieceResult
+from asrserve.model.tokenizer import WhisperTokenizer
+
+MIN_REMAINDER_S = 1.0  # less audio than this after the seek point holds no missed sentence
+MIN_PROGRESS_S = 1.0  # a continuation must start at least this far into its piece
+# A decode that ended (<|endoftext|>) at least this long before its piece did may have stopped
+# early; it is continued if the rest of the piece has sound in it.
+EARLY_STOP_S = 2.0
+# A segment at least this long with fewer text tokens per second than this skipped speech
+# (people say 2-4 tokens a second; a pause splits segments rather than stretching one).
+IMPLAUSIBLE_SEGMENT_S = 6.0
+IMPLAUSIBLE_TOKENS_PER_S = 1.0
+SECONDS_PER_TOKEN = 0.35  # a generous time for one spoken token, for segments cut short
+MAX_CONTINUATIONS = 8  # per piece: one that keeps stopping early cannot loop for ever
+# Previous text is not carried across a decode that needed a high temperature (openai/whisper
+# resets its prompt there too: such text is more likely wrong than useful).
+MAX_PROMPT_TEMPERATURE = 0.5
+
+
+@dataclass
+class _Segment:
+    start_s: float
+    end_s: float
+    num_text: int
+    first_index: int  # of its opening timestamp (or first text token) in the piece's tokens
+    end_index: int  # one past its closing timestamp
+
+
+@dataclass
+class Continuation:
+    """Where the rest of a piece starts, and what it is decoded with."""
+
+    seek_s: float  # from the start of the parent piece
+    reason: str  # "early_stop", "length" or "implausible_segment": for logs and tests
+    prompt: str | None  # the parent's text, as previous text
+
+
+def plan_continuation(
+    tokenizer: WhisperTokenizer, piece: PieceResult, samples: np.ndarray, depth: int, user_prompt: str | None
+) -> Continuation | None:
+    """Decides whether the finished `piece` (its audio: `samples`) needs a continuation, and if
+    so cuts its tokens at the seek point. depth: continuations already made for this piece."""
+    if depth >= MAX_CONTINUATIONS or piece.is_silence or piece.finish_reason not in ("stop", "length"):
+        return None
+    eot = tokenizer.special.eot
+    if not any(tokenizer.is_timestamp(token) for token in piece.token_ids):
+        return None  # decoded without timestamps: there is nothing to seek by
+    segments, open_index = _segments(tokenizer, piece.token_ids)
+    found = _seek_point(piece, segments, open_index)
+    if found is None:
+        return None
+    seek_s, keep, reason, closing_time = found
+    if seek_s < MIN_PROGRESS_S or piece.duration_s - seek_s < MIN_REMAINDER_S:
+        return None
+    seek_sample = round(seek_s * SAMPLE_RATE)
+    if reason == "early_stop" and not has_sound(samples[seek_sample:], samples):
+        return None
+    del piece.token_ids[keep:]
+    del piece.logprobs[keep:]
+    if closing_time is not None:  # an implausible first segment keeps its text, ending where we seek
+        piece.token_ids[keep - 1] = tokenizer.timestamp_token(closing_time)
+    piece.duration_s = seek_s
+    temperature = piece.summary.temperature if piece.summary else 0.0
+    text = tokenizer.decode([token for token in piece.token_ids if token < eot]).strip()
+    prompt = text if text and temperature <= MAX_PROMPT_TEMPERATURE else user_prompt
+    return Continuation(seek_s, reason, prompt)
+
+
+def settled_length(tokenizer: WhisperTokenizer, token_ids: list[int]) -> int:
+    """How many of a decode's tokens (so far) no continuation can take back: all of them
+    without timestamps; else those up to the last closed segment before the first implausible
+    one (text still open may be read again, and an implausible segment may be)."""
+    if not any(tokenizer.is_timestamp(token) for token in token_ids):
+        return len(token_ids)
+    segments, _ = _segments(tokenizer, token_ids)
+    settled = 0
+    for segment in segments:
+        if _implausible(segment):
+            break
+        settled = segment.end_index
+    return settled
+
+
+def _implausible(segment: _Segment) -> bool:
+    duration = segment.end_s - segment.start_s
+    return duration >= IMPLAUSIBLE_SEGMENT_S and segment.num_text / duration < IMPLAUSIBLE_TOKENS_PER_S
+
+
+def _segments(tokenizer: WhisperTokenizer, token_ids: list[int]) -> tuple[list[_Segment], int | None]:
+    """The closed segments (text between two timestamps), and the index where text left open at
+    the end starts (None if the tokens end with a closed segment)."""
+    eot = tokenizer.special.eot
+    segments: list[_Segment] = []
+    opening: float | None = None
+    first_index = 0
+    num_text = 0
+    last_end = 0.0
+    for index, token in enumerate(token_ids):
+        if tokenizer.is_timestamp(token):
+            time = tokenizer.timestamp_seconds(token)
+            if opening is None:
+                opening, first_index, num_text = time, index, 0
+            else:
+                segments.append(_Segment(opening, time, num_text, first_index, index + 1))
+                opening, last_end = None, time
+        elif token < eot:
+            if opening is None:  # text with no opening timestamp starts where the last segment ended
+                opening, first_index, num_text = last_end, index, 0
+            num_text += 1
+    return segments, (first_index if opening is not None else None)
+
+
+def _seek_point(
+    piece: PieceResult, segments: list[_Segment], open_index: int | None
+) -> tuple[float, int, str, float | None] | None:
+    """(seek seconds, tokens to keep, reason, new closing time of the last kept segment or None)."""
+    for segment in segments:
+        if _implausible(segment):
+            if segment.start_s >= MIN_PROGRESS_S:  # decode again from where it begins
+                return segment.start_s, segment.first_index, "implausible_segment", None
+            # It opens the piece: decoding from the same place would read the same window, so
+            # keep its words, give them a plausible span and decode the rest after it.
+            seek_s = round((segment.start_s + 1.0 + segment.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
+            return seek_s, segment.end_index, "implausible_segment", seek_s
+    last_end = segments[-1].end_s if segments else 0.0
+    keep = segments[-1].end_index if segments else 0
+    if open_index is not None:
+        # Text left open when the tokens ran out is cut mid-sentence: read it again. Text left
+        # open by <|endoftext|> is the piece's last sentence running to its end (a piece ends at
+        # a cut, not inside speech that goes on, as openai/whisper's windows do): keep it.
+        if piece.finish_reason == "length" and segments:
+            return last_end, keep, "length", None
+        return None
+    if piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S and segments:
+        return last_end, keep, "early_stop", None
+    return None
+
+
+MAX_REPEATED_WORDS = 40  # the longest overlap looked for between a piece and its continuation
+MIN_REPEATED_WORDS = 2  # one repeated word may well have been said twice
+
+
+def drop_repeated_words(tokenizer: WhisperTokenizer, pieces: list[PieceResult]) -> None:
+    """A continuation starts at its parent's last timestamp, which Whisper may place before the
+    parent's last words end: the continuation then writes them again. Drops the words a
+    continuation opens with that its parent's text ends with (at least two in a row)."""
+    eot = tokenizer.special.eot
+    for previous, piece in zip(pieces, pieces[1:]):
+        if not piece.is_continuation or previous.is_silence or piece.is_silence:
+            continue
+        before = _normalized_words(tokenizer.decode(previous.token_ids))[-MAX_REPEATED_WORDS:]
+        text_tokens = [token for token in piece.token_ids if token < eot]
+        after = _normalized_words(tokenizer.decode(text_tokens))
+        overlap = next(
+            (k for k in range(min(len(before), len(after)), MIN_REPEATED_WORDS - 1, -1) if before[-k:] == after[:k]), 0
+        )
+        if not overlap:
+            continue
+        # The fewest text tokens that hold those words and end where a new word starts.
+        for count in range(1, len(text_tokens) + 1):
+            words = _normalized_words(tokenizer.decode(text_tokens[:count]))
+            next_starts_word = count == len(text_tokens) or tokenizer.decode(text_tokens[count : count + 1])[:1] in " "
+            if len(words) >= overlap and words[:overlap] == after[:overlap] and next_starts_word:
+                _drop_text_tokens(piece, count, eot)
+                break
+
+
+def _drop_text_tokens(piece: PieceResult, count: int, eot: int) -> None:
+    """Removes the piece's first `count` text tokens (its timestamps stay)."""
+    kept_tokens, kept_logprobs, dropped = [], [], 0
+    for token, logprob in zip(piece.token_ids, piece.logprobs):
+        if token < eot and dropped < count:
+            dropped += 1
+            continue
+        kept_tokens.append(token)
+        kept_logprobs.append(logprob)
+    piece.token_ids[:] = kept_tokens
+    piece.logprobs[:] = kept_logprobs
+    if piece.summary is not None and piece.summary.token_times:
+        piece.summary.token_times = piece.summary.token_times[count:]
+
+
+def _normalized_words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())

