@@ -318,3 +318,35 @@ def test_words_a_continuation_repeats_from_its_parent_are_dropped(tiny_en_engine
     other = _piece(tokenizer, [0.0, " can do for you.", 2.0])
     drop_repeated_words(tokenizer, [parent, other])
     assert tokenizer.decode(other.token_ids).strip() == "can do for you."
+
+
+def test_streamed_long_audio_sends_each_segment_once(tiny_en_engine, speech_audio):
+    """stream=true on audio over 30 s: timestamps and continuations inside, and the deltas
+    joined are the final text, never a word sent twice or taken back."""
+    from tests.conftest import SENTENCES
+
+    chosen = [5, 6, 8, 9, 10, 12, 13, 14, 15, 1, 3] * 2
+    gap = np.zeros(int(0.6 * SAMPLE_RATE), np.float32)
+    audio = np.concatenate([part for index in chosen for part in (speech_audio[index], gap)])
+    assert len(audio) > 60 * SAMPLE_RATE
+    params = SamplingParams.transcription(decode_once=True)
+
+    async def scenario():
+        engine = _LocalEngine(tiny_en_engine)
+        stepper = asyncio.create_task(engine.run())
+        try:
+            job = TranscriptionJob(engine, tiny_en_engine.tokenizer, _engine_pieces(audio), None, "transcribe", params, None)
+            assert job.sampling_params.timestamps  # long audio decodes with timestamps
+            deltas = [delta async for delta in job.deltas()]
+            while tiny_en_engine.has_work():
+                await asyncio.sleep(0.01)
+        finally:
+            stepper.cancel()
+        return deltas, job
+
+    deltas, job = asyncio.run(scenario())
+    assert "".join(deltas) == job.text and len(deltas) > 5
+    assert "<|" not in job.text
+    kept = _kept_in_order([SENTENCES[i] for i in chosen], job.text)
+    assert sum(k >= 0.5 for k in kept) >= len(kept) - 2, (kept, job.text)
+    assert tiny_en_engine.block_manager.num_free_blocks == tiny_en_engine.block_manager.num_blocks
