@@ -106,7 +106,9 @@ def test_long_audio_is_cut_in_pauses_and_read_in_order(asr, long_clip):
     for cut in cuts:
         assert any(start <= cut <= end for start, end in pauses), f"cut at {cut:.2f} s is not in a pause"
 
-    (result,) = asr.transcribe(path)
+    # The cuts checked above are the quiet-point cutter's: transcribe with it. (With the VAD
+    # default tiny.en misreads this clip's second half; see issue 15's note.)
+    (result,) = asr.transcribe(path, chunking_strategy="energy")
     text = result.text.lower()
     assert result.duration == pytest.approx(97.5)
     position = 0
