@@ -136,14 +136,8 @@ def parse_chunking_strategy(value: str | None):
 
     if value is None:
         return None
-    parsed = value
-    if value.strip().startswith("{"):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--chunking-strategy: not valid JSON: {error}") from None
     try:
-        return ChunkingStrategy.parse(parsed, ChunkingStrategy())
+        return ChunkingStrategy.parse(value, ChunkingStrategy())  # value is given: no default
     except ValueError as error:
         raise ValueError(f"--chunking-strategy: {error}") from None
 

@@ -9,6 +9,7 @@ asrserve.audio.vad): Silero VAD finds the speech, regions are merged into pieces
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,13 +38,18 @@ class ChunkingStrategy:
     @classmethod
     def parse(cls, value: "str | dict | ChunkingStrategy | None", default: "ChunkingStrategy") -> "ChunkingStrategy":
         """OpenAI's chunking_strategy: "auto" (voice activity, default settings), or
-        {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"};
-        asrserve also takes "energy" (cut at quiet points) and "server_vad". None: `default`.
-        Raises ValueError saying what is wrong."""
+        {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"} (a dict
+        or its JSON text, as a form field or flag carries it); asrserve also takes "energy" (cut
+        at quiet points) and "server_vad". None: `default`. Raises ValueError saying what is wrong."""
         if value is None:
             return default
         if isinstance(value, ChunkingStrategy):
             return value
+        if isinstance(value, str) and value.strip().startswith("{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"not valid JSON: {error}") from None
         if isinstance(value, str):
             if value == "auto":
                 return cls("server_vad")
@@ -114,7 +120,7 @@ def split_audio(audio: np.ndarray, max_samples: int = N_SAMPLES) -> list[AudioPi
     pieces = []
     start = 0
     while len(audio) - start > max_samples:
-        cut = start + _quietest_point(audio[start + max_samples - SEARCH_SAMPLES : start + max_samples])
+        cut = start + quietest_point(audio[start + max_samples - SEARCH_SAMPLES : start + max_samples])
         cut += max_samples - SEARCH_SAMPLES
         pieces.append(AudioPiece(start, audio[start:cut]))
         start = cut
@@ -139,9 +145,11 @@ def _window_rms(samples: np.ndarray) -> np.ndarray:
     return np.sqrt((windows**2).mean(axis=1))
 
 
-def _quietest_point(region: np.ndarray) -> int:
-    """Offset in `region` of the centre of its lowest-RMS 100 ms window."""
+def quietest_point(region: np.ndarray, window: int = WINDOW_SAMPLES, hop: int = HOP_SAMPLES) -> int:
+    """Offset in `region` of the centre of its lowest-energy window (`window` samples, tried
+    every `hop`)."""
+    window = min(window, len(region))
     energy = np.concatenate([[0.0], np.cumsum(region.astype(np.float64) ** 2)])
-    starts = np.arange(0, len(region) - WINDOW_SAMPLES + 1, HOP_SAMPLES)
-    window_energy = energy[starts + WINDOW_SAMPLES] - energy[starts]
-    return int(starts[np.argmin(window_energy)]) + WINDOW_SAMPLES // 2
+    starts = np.arange(0, len(region) - window + 1, hop)
+    window_energy = energy[starts + window] - energy[starts]
+    return int(starts[np.argmin(window_energy)]) + window // 2

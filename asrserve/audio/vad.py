@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asrserve.audio.chunking import AudioPiece
+from asrserve.audio.chunking import AudioPiece, quietest_point
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
 
 WINDOW = 512  # samples per speech probability (32 ms at 16 kHz)
@@ -270,18 +270,14 @@ def _split_long(start: int, end: int, probs: np.ndarray, samples: np.ndarray, li
         # The probability lags the audio by a window or two, so the pause that made the dip
         # ends in the dip's window: cut at the quietest 20 ms of it and the two windows before.
         low, high = max(start + WINDOW, (dip - 2) * WINDOW), min(start + limit, (dip + 1) * WINDOW)
-        cut = low + _quietest(samples[low:high]) if high > low else max(dip * WINDOW, start + WINDOW)
+        if high > low:
+            cut = low + quietest_point(samples[low:high], QUIET_SAMPLES, hop=1)
+        else:
+            cut = max(dip * WINDOW, start + WINDOW)
         parts.append([start, cut])
         start = cut
     parts.append([start, end])
     return parts
-
-
-def _quietest(region: np.ndarray) -> int:
-    """Offset in `region` of the centre of its lowest-energy QUIET_SAMPLES span."""
-    width = min(QUIET_SAMPLES, len(region))
-    energy = np.concatenate([[0.0], np.cumsum(region.astype(np.float64) ** 2)])
-    return int(np.argmin(energy[width:] - energy[:-width])) + width // 2
 
 
 def vad_pieces(

@@ -52,18 +52,26 @@ class _Segment:
 
 @dataclass
 class Continuation:
-    """Where the rest of a piece starts, and what it is decoded with."""
+    """The rest of a piece: where it starts, its audio, and what it is decoded with."""
 
     seek_s: float  # from the start of the parent piece
     reason: str  # "early_stop", "length" or "implausible_segment": for logs and tests
     prompt: str | None  # the parent's text, as previous text
+    samples: np.ndarray  # the parent's audio from seek_s on
+    result: PieceResult  # where its outputs go: offset and language follow the parent's
 
 
 def plan_continuation(
-    tokenizer: WhisperTokenizer, piece: PieceResult, samples: np.ndarray, depth: int, user_prompt: str | None
+    tokenizer: WhisperTokenizer,
+    piece: PieceResult,
+    samples: np.ndarray,
+    depth: int,
+    user_prompt: str | None,
+    language: str | None = None,
 ) -> Continuation | None:
     """Decides whether the finished `piece` (its audio: `samples`) needs a continuation, and if
-    so cuts its tokens at the seek point. depth: continuations already made for this piece."""
+    so cuts its tokens at the seek point. depth: continuations already made for this piece;
+    language: the job's, for a piece that has none of its own."""
     if depth >= MAX_CONTINUATIONS or piece.is_silence or piece.finish_reason not in ("stop", "length"):
         return None
     eot = tokenizer.special.eot
@@ -87,7 +95,12 @@ def plan_continuation(
     temperature = piece.summary.temperature if piece.summary else 0.0
     text = tokenizer.decode([token for token in piece.token_ids if token < eot]).strip()
     prompt = text if text and temperature <= MAX_PROMPT_TEMPERATURE else user_prompt
-    return Continuation(seek_s, reason, prompt)
+    rest = samples[seek_sample:]
+    result = PieceResult(
+        piece.offset_s + seek_sample / SAMPLE_RATE, len(rest) / SAMPLE_RATE, language=piece.language or language,
+        is_continuation=True,
+    )
+    return Continuation(seek_s, reason, prompt, rest, result)
 
 
 def settled_length(tokenizer: WhisperTokenizer, token_ids: list[int]) -> int:

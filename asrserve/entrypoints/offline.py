@@ -120,9 +120,9 @@ class ASR:
         """Transcribes one input or many (paths, encoded bytes, or 16 kHz float arrays).
 
         Audio longer than 30 s is cut into pieces that are transcribed together, with timestamp
-        tokens (Whisper's long-form mode, whatever the output): chunking_strategy "energy" (the
-        default) cuts at quiet points, "auto" or {"type": "server_vad", ...} at voice-activity
-        boundaries, skipping non-speech (OpenAI's field). seek_continuation: decode the rest of a
+        tokens (Whisper's long-form mode, whatever the output): chunking_strategy "auto" or
+        {"type": "server_vad", ...} (the default, OpenAI's field) cuts at voice-activity
+        boundaries, skipping non-speech; "energy" cuts at quiet points. seek_continuation: decode the rest of a
         piece again from its last segment when Whisper stopped early in it.
         errors="raise" raises AudioError / InvalidRequestError for the first bad input before
         anything runs; errors="return" gives that input a Transcription with `error` set.
@@ -211,16 +211,13 @@ class ASR:
             """Continues the piece if Whisper left it unfinished; returns the requests added."""
             if not seek_continuation:
                 return 0
-            plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt)
+            plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt, language)
             if plan is None:
                 return 0
-            parent = piece.result
-            seek = round(plan.seek_s * SAMPLE_RATE)
-            child = PieceResult(parent.offset_s + seek / SAMPLE_RATE, len(piece.samples[seek:]) / SAMPLE_RATE,
-                                language=parent.language, is_continuation=True)
-            piece.job.pieces.insert(piece.job.pieces.index(parent) + 1, child)
-            add(piece.job, _PieceRequest(piece.job, child, piece.samples[seek:], piece.depth + 1),
-                parent.language or language, plan.prompt)
+            pieces = piece.job.pieces
+            pieces.insert(pieces.index(piece.result) + 1, plan.result)
+            add(piece.job, _PieceRequest(piece.job, plan.result, plan.samples, piece.depth + 1),
+                plan.result.language, plan.prompt)
             return 1
 
         try:

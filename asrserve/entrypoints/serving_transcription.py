@@ -126,11 +126,6 @@ class TranscriptionParams:
 
 
 def _chunking_strategy(value: str | dict | None, default: ChunkingStrategy) -> ChunkingStrategy:
-    if isinstance(value, str) and value.strip().startswith("{"):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise APIError(400, "chunking_strategy: not valid JSON", param="chunking_strategy") from None
     try:
         return ChunkingStrategy.parse(value, default)
     except ValueError as error:

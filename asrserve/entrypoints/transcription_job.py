@@ -36,16 +36,12 @@ class IncrementalText:
     def add(self, token_ids: list[int]) -> str:
         if not token_ids:  # language or end-of-text steps: nothing new to decode
             return ""
-        self.token_ids.extend(token_ids)
-        return self._delta(self.token_ids)
+        return self.update(self.token_ids + token_ids)
 
     def update(self, token_ids: list[int]) -> str:
         """The piece's text is now that of `token_ids` (a longer list than the last)."""
         self.token_ids = list(token_ids)
-        return self._delta(self.token_ids)
-
-    def _delta(self, token_ids: list[int]) -> str:
-        text = self.tokenizer.decode(token_ids).strip()
+        text = self.tokenizer.decode(self.token_ids).strip()
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""
         delta, self.emitted = text[len(self.emitted) :], text
@@ -113,18 +109,12 @@ class TranscriptionJob:
         tokens where it starts): its stream, result and audio. None if the piece is done."""
         if not self.seek_continuation or self._aborted:
             return None
-        plan = plan_continuation(self.tokenizer, piece, samples, depth, self.prompt)
+        plan = plan_continuation(self.tokenizer, piece, samples, depth, self.prompt, self.language)
         if plan is None:
             return None
-        seek = round(plan.seek_s * SAMPLE_RATE)
-        language = piece.language or self.language
-        request = self._request(samples[seek:], language, plan.prompt)
+        request = self._request(plan.samples, plan.result.language, plan.prompt)
         self.requests.append(request)
-        child = PieceResult(
-            piece.offset_s + seek / SAMPLE_RATE, (len(samples) - seek) / SAMPLE_RATE, language=language,
-            is_continuation=True,
-        )
-        return self.engine.add([request])[0], child, samples[seek:]
+        return self.engine.add([request])[0], plan.result, plan.samples
 
     def _on_output(self, output) -> None:
         if self.on_first_output is not None:
@@ -153,10 +143,10 @@ class TranscriptionJob:
                     self._on_output(output)
                     assert not output.restarted, "a streamed request was decoded again"
                     piece.add(output)
-                    settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
-                    delta = text.update(_text_tokens(settled, eot, budget))
                     if budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget:
                         break  # the limit is reached: what came is all this transcription shows
+                    settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
+                    delta = text.update(_text_tokens(settled, eot, budget))
                     if delta:
                         if not piece_started and self.text:
                             delta = self._separator + delta
