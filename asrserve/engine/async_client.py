@@ -61,6 +61,11 @@ class AsyncEngineClient:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._process: multiprocessing.Process | None = None
         self._stopping = False
+        # multiprocessing's Process is not thread-safe: when the receiver thread (engine died)
+        # and shutdown() both wait for the exit, one thread's waitpid reaps the process and the
+        # other's fails with ECHILD, which Process reads as "still running" (it then reported a
+        # clean exit as "did not stop within 5 s"). Every wait for the process takes this lock.
+        self._join_lock = threading.Lock()
 
     @property
     def is_ready(self) -> bool:
@@ -126,13 +131,14 @@ class AsyncEngineClient:
             return
         self._outbox.put(("shutdown",))
         self._outbox.put(None)  # stops the sender thread
-        self._process.join(timeout)
-        if self._process.is_alive():
-            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
-            self._process.kill()
-            self._process.join()
-        elif self._process.exitcode != 0:
-            logger.warning("the engine process exited with code %s", self._process.exitcode)
+        with self._join_lock:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
+                self._process.kill()
+                self._process.join()
+            elif self._process.exitcode != 0:
+                logger.warning("the engine process exited with code %s", self._process.exitcode)
 
     # Threads ---------------------------------------------------------------------------------
 
@@ -154,7 +160,8 @@ class AsyncEngineClient:
                 loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:  # the loop has closed: the server is gone
                 return
-        self._process.join(timeout=5)  # so that _on_engine_exit can report the exit code
+        with self._join_lock:
+            self._process.join(timeout=5)  # so that _on_engine_exit can report the exit code
         try:
             loop.call_soon_threadsafe(self._on_engine_exit)
         except RuntimeError:
