@@ -20,8 +20,11 @@ SOT, NO_TIMESTAMPS = 50257, 50362
 LANGUAGE_DE = 50261
 
 
+TIMESTAMP_BEGIN = 50364
+
+
 class FakeTokenizer:
-    special = SimpleNamespace(eot=EOT)
+    special = SimpleNamespace(eot=EOT, timestamp_begin=TIMESTAMP_BEGIN)
 
     def language_of(self, token_id: int) -> str:
         return {LANGUAGE_DE: "de"}[token_id]
@@ -33,9 +36,10 @@ class FakeTokenizer:
         return " ".join(f"t{t}" for t in token_ids if t < EOT)
 
 
-def make_request(request_id: str, max_tokens: int = 224, detect_language: bool = False) -> Request:
-    prompt = [SOT] if detect_language else [SOT, NO_TIMESTAMPS]
-    return Request(request_id, np.zeros(16000, np.float32), prompt, SamplingParams(), max_tokens,
+def make_request(request_id: str, max_tokens: int = 224, detect_language: bool = False,
+                 params: SamplingParams | None = None, prompt: list[int] | None = None) -> Request:
+    prompt = prompt or ([SOT] if detect_language else [SOT, NO_TIMESTAMPS])
+    return Request(request_id, np.zeros(16000, np.float32), prompt, params or SamplingParams(), max_tokens,
                    detect_language=detect_language)
 
 
@@ -275,3 +279,204 @@ def test_sampling_params_are_validated():
         SamplingParams(temperature=float("nan"))
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+# --- fallback and best_of: sibling sequences -----------------------------------------------
+
+FALLBACK = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def step_model(scheduler: Scheduler, model):
+    """One simulated step where model(sequence) returns (token, logprob) for each sequence."""
+    output = scheduler.schedule()
+    chosen = [model(r) for r in output.scheduled]
+    sampled = SamplerOutput([t for t, _ in chosen], [lp for _, lp in chosen])
+    return output, scheduler.update(output, sampled)
+
+
+def run_to_end(scheduler: Scheduler, model, max_steps: int = 5000):
+    outputs, sequences = [], []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        _, step_outputs = step_model(scheduler, model)
+        outputs += step_outputs
+        sequences.append(len(scheduler.running))
+    assert not scheduler.has_unfinished_requests()
+    return outputs, sequences
+
+
+def assert_nothing_held(scheduler: Scheduler) -> None:
+    blocks = scheduler.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert all(blocks.ref_count(b) == 0 for b in range(blocks.num_blocks))
+    assert scheduler.encoder_cache.num_cached == 0 and not scheduler.running and not scheduler.parked
+
+
+def fails_until(passing: float, length_by_temperature=None):
+    """A model whose samples at `passing` and above are likely, below unlikely; each sample
+    ends after length_by_temperature[t] tokens (default 5)."""
+    lengths = length_by_temperature or {}
+
+    def model(sequence):
+        done = len(sequence.output_token_ids) + 1 >= lengths.get(sequence.temperature, 5)
+        return (EOT if done else 1000 + len(sequence.output_token_ids)), (-0.1 if sequence.temperature >= passing else -3.0)
+    return model
+
+
+def test_fallback_temperatures_decode_at_once_over_shared_blocks():
+    scheduler = make_scheduler()
+    request = make_request("a", params=SamplingParams(fallback_temperatures=FALLBACK))
+    scheduler.add(request)
+    model = fails_until(passing=9.0)  # every sample fails
+    for _ in range(5):  # the greedy decode, alone
+        output, outputs = step_model(scheduler, model)
+        assert len(output.scheduled) == 1
+    output = scheduler.schedule()
+    # The request decodes the first fallback temperature itself; four siblings the others.
+    assert sorted(r.temperature for r in output.scheduled) == list(FALLBACK)
+    siblings = [r for r in output.scheduled if r.is_sibling]
+    assert len(siblings) == 4 and all(s.primary is request for s in siblings)
+    blocks = scheduler.block_manager
+    for block_id in request.cross_block_table:
+        assert blocks.ref_count(block_id) == 5
+    assert all(s.cross_block_table == request.cross_block_table for s in siblings)
+    scheduler.update(output, SamplerOutput([1000] * 5, [-3.0] * 5))
+    outputs, _ = run_to_end(scheduler, model)
+    final = outputs[-1]
+    assert final.finished and final.restarted and final.summary.num_attempts == 6
+    assert_nothing_held(scheduler)
+
+
+def test_the_first_passing_temperature_in_order_wins():
+    # 0.4 and 0.6 both pass; 0.6 finishes first, 0.4 later, 0.8 and 1.0 would run long.
+    lengths = {0.0: 3, 0.2: 6, 0.4: 12, 0.6: 4, 0.8: 200, 1.0: 200}
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", params=SamplingParams(fallback_temperatures=FALLBACK)))
+    outputs, sequences = run_to_end(scheduler, fails_until(passing=0.4, length_by_temperature=lengths))
+    final = outputs[-1]
+    assert final.summary.temperature == 0.4 and len(final.new_token_ids) == 12
+    assert final.summary.num_attempts == 4  # 0, 0.2, 0.6 and 0.4 finished; 0.8 and 1.0 dropped
+    assert len(sequences) < 3 + 12 + 2, "the long samples were dropped once 0.4 decided"
+    assert_nothing_held(scheduler)
+
+
+def test_a_passing_greedy_decode_starts_no_sibling():
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", params=SamplingParams(fallback_temperatures=FALLBACK, best_of=5)))
+    outputs, sequences = run_to_end(scheduler, fails_until(passing=0.0))
+    assert max(sequences) == 1 and not any(o.restarted for o in outputs)
+    assert [t for o in outputs for t in o.new_token_ids] == [1000, 1001, 1002, 1003, EOT]
+
+
+def test_best_of_keeps_the_likeliest_sample_and_counts_against_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=3)
+    request = make_request("a", params=SamplingParams(temperature=0.7, best_of=4, seed=3))
+
+    def model(sequence):  # sample 2 is the likeliest
+        done = len(sequence.output_token_ids) + 1 >= 4
+        return (EOT if done else 1000 + sequence.sample_key[1]), (-0.05 if sequence.sample_key[1] == 2 else -0.5)
+    scheduler.add(request)
+    outputs, sequences = run_to_end(scheduler, model)
+    assert max(sequences) == 3, "siblings count against max_num_seqs"
+    final = outputs[-1]
+    assert final.new_token_ids == [1002, 1002, 1002, EOT] and final.summary.num_attempts == 4
+    assert len({request.sample_seed} | {request.group.seed((0, i)) for i in range(4)}) == 4
+    assert_nothing_held(scheduler)
+
+
+def test_siblings_share_whole_prompt_blocks_and_compute_the_rest():
+    scheduler = make_scheduler(num_blocks=1000, block_size=4)
+    prompt = list(range(20000, 20010))  # 10 tokens: blocks 0-1 shareable, the third not
+    # Greedy fails; 0.5's two samples go to the request itself and one sibling.
+    request = make_request("a", params=SamplingParams(fallback_temperatures=(0.5,), best_of=2), prompt=prompt)
+    scheduler.add(request)
+    run = fails_until(passing=0.5, length_by_temperature={0.0: 3, 0.5: 3})
+    for _ in range(3):
+        step_model(scheduler, run)
+    output = scheduler.schedule()
+    (sibling,) = [r for r in output.scheduled if r.is_sibling]
+    assert sibling.self_block_table[:2] == request.self_block_table[:2]
+    assert sibling.self_block_table[2] != request.self_block_table[2]
+    assert sibling.num_new_tokens == 10 - 8, "it computes the prompt tokens past the shared blocks"
+    assert request.num_new_tokens == 1, "the request recomputes its last prompt token"
+    scheduler.update(output, SamplerOutput([1000, 1000], [-0.1, -0.1]))
+    run_to_end(scheduler, run)
+    assert_nothing_held(scheduler)
+
+
+def test_abort_drops_the_siblings():
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", params=SamplingParams(fallback_temperatures=FALLBACK, best_of=3)))
+    model = fails_until(passing=9.0, length_by_temperature={0.0: 2})
+    for _ in range(4):
+        step_model(scheduler, model)
+    assert len(scheduler.running) == 8
+    scheduler.abort("a")
+    assert_nothing_held(scheduler)
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_groups_under_block_pressure_finish_without_leaks_or_deadlock():
+    rng = random.Random(11)
+    scheduler = make_scheduler(num_blocks=3 * 375 + 40, block_size=4, max_num_seqs=24, max_encoder_batch=8)
+    lengths = {}
+    for i in range(30):
+        params = SamplingParams(fallback_temperatures=FALLBACK, best_of=rng.choice([1, 2, 5]))
+        request = make_request(f"r{i}", params=params)
+        scheduler.add(request)
+    passing = {f"r{i}": rng.choice([0.0, 0.4, 1.0, 9.0]) for i in range(30)}
+
+    def model(sequence):
+        request = sequence.primary or sequence
+        key = (request.request_id, sequence.sample_key)
+        length = lengths.setdefault(key, rng.randint(1, 150))
+        done = len(sequence.output_token_ids) + 1 >= length
+        return (EOT if done else 1000), (-0.1 if sequence.temperature >= passing[request.request_id] else -3.0)
+    finished = []
+    for _ in range(20_000):
+        if not scheduler.has_unfinished_requests():
+            break
+        output, outputs = step_model(scheduler, model)
+        finished += [o.request_id for o in outputs if o.finished]
+        assert len(scheduler.running) <= 24
+        if rng.random() < 0.01 and scheduler.requests:
+            victim = rng.choice(sorted(scheduler.requests))
+            scheduler.abort(victim)
+            finished.append(victim)
+    assert not scheduler.has_unfinished_requests(), "every request finishes"
+    assert scheduler.num_preemptions > 0
+    assert sorted(finished) == sorted(f"r{i}" for i in range(30))
+    assert_nothing_held(scheduler)
+
+
+def test_a_looping_sample_ends_early_only_where_a_fallback_follows():
+    def looping(sequence):
+        return 1000 + len(sequence.output_token_ids) % 3, -0.1  # "t1000 t1001 t1002" over and over
+
+    for fallback, expected_max in ((FALLBACK, 100), ((), 224)):
+        scheduler = make_scheduler()
+        request = make_request("a", params=SamplingParams(fallback_temperatures=fallback))
+        scheduler.add(request)
+        first_attempt = []
+        for _ in range(300):
+            step_model(scheduler, looping)
+            if request.sample_key != (0, 0) or not scheduler.has_unfinished_requests():
+                break
+            first_attempt = list(request.output_token_ids)
+        if fallback:
+            assert 9 <= len(first_attempt) < expected_max, "the loop was cut once it could no longer pass"
+        else:
+            assert request.finish_reason == "length" and len(request.output_token_ids) == expected_max
+
+
+def test_tail_repeats():
+    from asrserve.engine.fallback import tail_repeats
+
+    assert tail_repeats([5, 1, 2, 1, 2, 1, 2], TIMESTAMP_BEGIN)
+    assert tail_repeats([7, 7, 7], TIMESTAMP_BEGIN)
+    assert not tail_repeats([7, 7], TIMESTAMP_BEGIN)
+    assert not tail_repeats([1, 2, 3, 1, 2, 3, 1, 2], TIMESTAMP_BEGIN)
+    # Rising timestamps between the repeats do not hide the loop.
+    ts = TIMESTAMP_BEGIN
+    assert tail_repeats([ts, 1, 2, ts + 5, ts + 5, 1, 2, ts + 9, ts + 9, 1, 2, ts + 14], TIMESTAMP_BEGIN)

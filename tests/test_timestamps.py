@@ -290,29 +290,41 @@ def test_segments_and_words_around_a_known_pause(asr, speech_audio):
 
 
 @pytest.mark.slow
-def test_fallback_retries_reuse_the_encoder_output(tiny_en_engine, speech_audio):
+def test_fallback_temperatures_decode_side_by_side_over_one_encoder_output(tiny_en_engine, speech_audio):
     engine = tiny_en_engine
     forwards_before = sum(engine.runner.encoder_batch_sizes.values())
-    # An unreachable threshold: every attempt fails, so all five retries run.
+    # An unreachable threshold: every attempt fails, so all five fallback temperatures run.
     params = SamplingParams(
         timestamps=True, word_timestamps=True, fallback_temperatures=FALLBACK_TEMPERATURES,
         logprob_threshold=0.0, seed=11,
     )
     engine.add_request("fallback", speech_audio[5], sampling_params=params)
-    outputs = []
+    outputs, sequences_per_step = [], []
     while engine.has_work():
-        outputs.extend(engine.step())
+        step_outputs = engine.step()
+        sequences_per_step.append(len(engine.scheduler.running))
+        outputs.extend(step_outputs)
     assert sum(engine.runner.encoder_batch_sizes.values()) == forwards_before + 1
-    assert sum(o.restarted and not o.finished for o in outputs) == len(FALLBACK_TEMPERATURES)
+    # The greedy decode alone, then the five temperatures at once (not one after another),
+    # the batch shrinking as they finish.
+    assert sequences_per_step[0] == 1 and max(sequences_per_step) == len(FALLBACK_TEMPERATURES)
+    first_fallback_step = sequences_per_step.index(len(FALLBACK_TEMPERATURES))
+    assert all(n <= len(FALLBACK_TEMPERATURES) for n in sequences_per_step)
+    assert sequences_per_step[first_fallback_step:] == sorted(sequences_per_step[first_fallback_step:], reverse=True)
+    # Greedy tokens were sent as they came; once the fallback began nothing was, until the
+    # finishing output replaces them all with the attempt kept.
     final = outputs[-1]
-    assert final.finished and final.summary.num_attempts == len(FALLBACK_TEMPERATURES) + 1
+    assert final.finished and final.restarted and all(not o.restarted for o in outputs[:-1])
+    assert final.summary.num_attempts == len(FALLBACK_TEMPERATURES) + 1
     assert final.summary.temperature in (0.0, *FALLBACK_TEMPERATURES)
     piece = PieceResult(0.0, len(speech_audio[5]) / SAMPLE_RATE)
     for output in outputs:
         piece.add(output)
+    assert piece.token_ids == final.new_token_ids
     text_tokens = [t for t in piece.token_ids if t < engine.tokenizer.special.eot]
     assert len(final.summary.token_times) == len(text_tokens) + 1
     assert engine.block_manager.num_used_blocks == 0 and engine.encoder_cache.num_cached == 0
+    assert all(engine.block_manager.ref_count(b) == 0 for b in range(engine.block_manager.num_blocks))
 
 
 @pytest.mark.slow

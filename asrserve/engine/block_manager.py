@@ -1,7 +1,11 @@
-"""The KV block pool. Requests own their block tables; the manager owns only the free list.
+"""The KV block pool. Requests own their block tables; the manager owns the free list and a
+reference count per block.
 
 Each request holds two tables over the same pool: cross-attention blocks, reserved whole on
 admission (ceil(1500 / block_size)), and self-attention blocks, which grow with the tokens.
+The sibling sequences of one request (its fallback temperatures and best_of samples) share its
+cross-attention blocks and the full blocks of its prompt: each table holding a block counts
+once, and a block returns to the pool when the last table lets it go.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_cross_blocks = math.ceil(cross_len / block_size)
         self._free_block_ids: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
+        self._ref_counts = [0] * num_blocks  # tables holding each block; 0: free
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,12 +61,28 @@ class BlockManager:
         request.self_block_table.extend(self._take(self.blocks_to_grow(request)))
 
     def trim(self, request: Request, num_tokens: int) -> None:
-        """Returns the self-attention blocks past the first num_tokens tokens (a decode that
+        """Lets go of the self-attention blocks past the first num_tokens tokens (a decode that
         restarts after its prompt keeps the prompt's blocks and its cross-attention)."""
         keep = self.blocks_for_tokens(num_tokens)
         for block_id in request.self_block_table[keep:]:
             self._release(block_id)
         del request.self_block_table[keep:]
+
+    def share(self, source: Request, sibling: Request, num_tokens: int) -> None:
+        """Gives a new sibling of `source` its cross-attention blocks and the blocks of its
+        first num_tokens tokens (a whole number of blocks, already computed): the sibling reads
+        them and never writes them. The sibling computes the rest into blocks of its own."""
+        assert not sibling.cross_block_table and not sibling.self_block_table, sibling
+        assert num_tokens % self.block_size == 0 and num_tokens <= source.num_computed_tokens, (source, num_tokens)
+        shared = source.self_block_table[: num_tokens // self.block_size]
+        for block_id in (*source.cross_block_table, *shared):
+            assert self._ref_counts[block_id] > 0, f"block {block_id} is free"
+            self._ref_counts[block_id] += 1
+        sibling.cross_block_table = list(source.cross_block_table)
+        sibling.self_block_table = list(shared)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
 
     def free(self, request: Request) -> None:
         """Returns every block of the request to the pool. Idempotent: a request without
@@ -73,12 +93,13 @@ class BlockManager:
         request.self_block_table = []
 
     def _release(self, block_id: int) -> None:
-        assert not self._is_free[block_id], f"block {block_id} freed twice"
-        self._is_free[block_id] = True
-        self._free_block_ids.append(block_id)
+        assert self._ref_counts[block_id] > 0, f"block {block_id} freed twice"
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free_block_ids.append(block_id)
 
     def _take(self, count: int) -> list[int]:
         block_ids = [self._free_block_ids.popleft() for _ in range(count)]
         for block_id in block_ids:
-            self._is_free[block_id] = False
+            self._ref_counts[block_id] = 1
         return block_ids

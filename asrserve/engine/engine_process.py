@@ -196,7 +196,7 @@ class EngineLoop:
         self._encoder_batches_sent.update(new_batches)
         return EngineStats(
             num_waiting=len(core.scheduler.waiting),
-            num_running=len(core.scheduler.running),
+            num_running=len(core.scheduler.requests) - len(core.scheduler.waiting),  # requests, not siblings
             kv_blocks_used=core.block_manager.num_used_blocks,
             kv_blocks_total=core.block_manager.num_blocks,
             encoder_cache_entries=len(core.runner.encoder_outputs),

@@ -17,6 +17,25 @@ def compression_ratio(text: str) -> float:
     return len(data) / len(zlib.compress(data))
 
 
+def tail_repeats(token_ids: list[int], timestamp_begin: int, min_repeats: int = 3, max_unit: int = 32) -> bool:
+    """Whether the text tokens end in one unit of up to max_unit tokens said min_repeats times
+    in a row ("the the the", or a sentence over and over): Whisper's decoding loop. Timestamp
+    tokens are left out, as they keep rising while the text repeats."""
+    window = max_unit * min_repeats
+    text: list[int] = []
+    for token in reversed(token_ids):
+        if token < timestamp_begin:
+            text.append(token)
+            if len(text) == window:
+                break
+    text.reverse()
+    for unit in range(1, min(max_unit, len(text) // min_repeats) + 1):
+        tail = text[-unit:]
+        if all(text[-(k + 1) * unit: len(text) - k * unit] == tail for k in range(1, min_repeats)):
+            return True
+    return False
+
+
 def summarize(
     token_ids: list[int], logprobs: list[float], text: str, temperature: float, no_speech_prob: float | None, eot: int
 ) -> DecodeSummary:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from asrserve.engine.decode_group import DecodeGroup
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class SamplingParams:
     # Temperatures to retry at, in order, while a decode fails the checks below (openai/whisper's
     # fallback: (0.2, 0.4, ..., 1.0) after a greedy decode). Empty: decode once.
     fallback_temperatures: tuple[float, ...] = ()
+    # Samples drawn at each temperature above 0; the likeliest is kept (openai/whisper's best_of).
+    best_of: int = 1
     compression_ratio_threshold: float | None = 2.4  # above: too repetitive, retry
     logprob_threshold: float | None = -1.0  # average logprob below: retry
     # no_speech_prob above this and average logprob below logprob_threshold: the piece is
@@ -34,26 +40,34 @@ class SamplingParams:
         for temperature in (self.temperature, *self.fallback_temperatures):
             if not 0.0 <= temperature <= 2.0 or temperature != temperature:
                 raise ValueError(f"temperature must be between 0 and 2, got {temperature}")
+        if not 1 <= self.best_of <= MAX_BEST_OF:
+            raise ValueError(f"best_of must be between 1 and {MAX_BEST_OF}, got {self.best_of}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
 
     @classmethod
-    def transcription(cls, temperature: float = 0.0, *, decode_once: bool = False, **kwargs) -> "SamplingParams":
+    def transcription(
+        cls, temperature: float = 0.0, *, decode_once: bool = False, best_of: int | None = None, **kwargs
+    ) -> "SamplingParams":
         """OpenAI's semantics: temperature 0 decodes greedily and retries a piece that fails the
         checks at 0.2, 0.4, ... 1.0; a piece judged silence loses its text. A temperature above
-        0 samples once. decode_once (streaming, where sent text cannot be taken back): neither
+        0 samples once. Each temperature above 0 draws best_of samples (default 5, as
+        openai/whisper's command line and faster-whisper) and keeps the likeliest.
+        decode_once (streaming, where sent text cannot be taken back): one sample, neither
         retries nor silence judgement."""
         if decode_once:
-            return cls(temperature=temperature, **kwargs)
+            return cls(temperature=temperature, best_of=best_of or 1, **kwargs)
         fallback = FALLBACK_TEMPERATURES if temperature == 0 else ()
         return cls(temperature=temperature, fallback_temperatures=fallback, no_speech_threshold=NO_SPEECH_THRESHOLD,
-                   **kwargs)
+                   best_of=best_of or DEFAULT_BEST_OF, **kwargs)
 
 
 # openai/whisper's transcribe(): greedy, then these while the checks fail.
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 NO_SPEECH_THRESHOLD = 0.6
+DEFAULT_BEST_OF = 5
+MAX_BEST_OF = 16
 
 
 @dataclass
@@ -153,10 +167,14 @@ class Request:
         # Where <|startoftranscript|> sits in the prompt: no_speech_prob is read there.
         self.sot_index = sot_index
         self.no_speech_prob: float | None = None
-        # Temperature fallback: the temperature of this attempt, the ones left, finished attempts.
+        # The sample this sequence decodes (see DecodeGroup) and at which temperature. The
+        # request's group lives on the request the user sent; its siblings point to it.
         self.temperature = sampling_params.temperature
-        self.fallback_temperatures = list(sampling_params.fallback_temperatures)
-        self.attempts: list[Attempt] = []
+        self.group: DecodeGroup | None = None
+        self.primary: Request | None = None  # set on siblings only
+        self.sample_key: tuple[int, int] = (0, 0)
+        self.sample_seed: int | None = None
+        self.order = 0  # arrival order of the request (siblings: their primary's), for preemption
         # Word timestamps: the alignment heads' cross-attention scores [heads, 1500] of the step
         # that sampled each output token.
         self.alignment_scores: list = []
@@ -169,6 +187,10 @@ class Request:
         self.num_preemptions = 0
         # The sampler's generator for temperature sampling (torch.Generator), made on first use.
         self.generator = None
+
+    @property
+    def is_sibling(self) -> bool:
+        return self.primary is not None
 
     @property
     def num_tokens(self) -> int:

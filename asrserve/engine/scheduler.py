@@ -1,16 +1,26 @@
-"""Continuous batching: which requests the next step's encoder and decoder forwards cover.
+"""Continuous batching: which sequences the next step's encoder and decoder forwards cover.
 
-FCFS. Running requests come first, oldest first, each needing blocks for its next token; when
-the pool runs out the newest running request is preempted (blocks freed, back to the front of
-the waiting queue, recomputed on resumption). Then waiting requests are admitted in order,
-while there is a sequence slot, room in this step's encoder batch and the encoder cache, and
-blocks for their cross-attention and prompt. The queue is never skipped, so nothing starves; the
-pool always holds one full-length request, so the oldest request always advances.
+A request is one sequence until it needs several: best_of samples, or the fallback temperatures
+once its first decode fails (DecodeGroup). Its siblings are sequences of their own in the
+running list (they count against max_num_seqs and grow blocks like any sequence) that share the
+request's cross-attention and prompt blocks. A request whose own sample is done while siblings
+still decode is parked: out of the batch, holding its shared blocks.
+
+FCFS. Running sequences come first, oldest first, each needing blocks for its next token; when
+the pool runs out, the newest request's newest sibling is dropped (its sample starts again
+later), and a request without siblings is preempted (blocks freed, back to the front of the
+waiting queue, recomputed on resumption). Then siblings are started for requests that have
+samples waiting, oldest request first. Then waiting requests are admitted in order, while there
+is a sequence slot, room in this step's encoder batch and the encoder cache, and blocks for their
+cross-attention and prompt. The queue is never skipped, so nothing starves; the pool always
+holds one full-length sequence, so the oldest request always advances.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,7 +28,8 @@ from typing import TYPE_CHECKING
 from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
-from asrserve.engine.fallback import is_silence, needs_fallback, pick_attempt, summarize
+from asrserve.engine.decode_group import DecodeGroup
+from asrserve.engine.fallback import compression_ratio, is_silence, summarize, tail_repeats
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
 from asrserve.engine.word_timing import text_token_times
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -38,6 +49,7 @@ class SchedulerOutput:
     encoder_requests: list[Request] = field(default_factory=list)
     # Encoder outputs the runner may now drop (freed by the scheduler one step earlier).
     freed_encoder_ids: list[str] = field(default_factory=list)
+    # Sequences preempted or siblings dropped for blocks this step.
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -60,9 +72,12 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # decoder positions (448)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []  # requests and siblings in the decoder batch
+        self.parked: list[Request] = []  # requests whose own sample is done, siblings decoding
+        self.requests: dict[str, Request] = {}  # by the caller's id (siblings are not here)
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
+        self._sibling_numbers = itertools.count()
         max_request_blocks = block_manager.num_cross_blocks + math.ceil(max_model_len / block_manager.block_size)
         if block_manager.num_blocks < max_request_blocks:
             raise ValueError(
@@ -72,32 +87,50 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        params = request.sampling_params
+        # Temperature 0 samples only in fallback: a fixed seed keeps a greedy request
+        # reproducible. An explicit temperature without a seed is random.
+        seed = params.seed
+        if seed is None:
+            seed = 0 if params.temperature == 0 else random.getrandbits(62)
+        request.group = DecodeGroup(params, seed)
+        request.order = next(self._arrivals)
+        self._start_sample(request, (0, 0))
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.running)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(freed_encoder_ids=self.encoder_cache.take_freed())
 
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted below to make room for an older request
+            if request not in self.running:
+                continue  # made room for an older request below
             while not self.block_manager.can_grow(request):
-                victim = self.running[-1]
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is request:
+                victim = self._make_room(output)
+                if victim is request or request not in self.running:
                     break
-            if request.status is RequestStatus.RUNNING:
+            if request in self.running:
                 self.block_manager.grow(request)
                 output.scheduled.append(request)
 
-        # After a preemption the pool is tight: admitting now would only preempt again.
+        # After a preemption the pool is tight: starting more would only preempt again.
+        if output.preempted:
+            return output
+        for request in sorted(self.running + self.parked, key=lambda r: r.order):
+            if request.is_sibling:
+                continue
+            while self._can_start_sibling(request):
+                sibling = self._start_sibling(request)
+                output.scheduled.append(sibling)
         while (
-            not output.preempted
-            and self.waiting
+            self.waiting
             and len(self.running) < self.config.max_num_seqs
             and len(output.encoder_requests) < self.config.max_encoder_batch
             and self.encoder_cache.num_free_slots > 0
@@ -122,8 +155,8 @@ class Scheduler:
         for index, (request, token_id, logprob) in enumerate(
             zip(scheduler_output.scheduled, sampled.token_ids, sampled.logprobs)
         ):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request not in self.running:
+                continue  # aborted, or dropped as a sibling, while the step ran
             request.num_computed_tokens = request.num_tokens
             if sampled.no_speech_probs and sampled.no_speech_probs[index] is not None:
                 request.no_speech_prob = sampled.no_speech_probs[index]
@@ -141,60 +174,154 @@ class Scheduler:
             if request.sampling_params.word_timestamps:
                 request.alignment_scores.append(sampled.alignment_scores[index])
             if token_id == self.tokenizer.special.eot:
-                outputs.append(self._complete(request, "stop"))
+                outputs.extend(self._complete(request, "stop"))
             elif len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
-                outputs.append(self._complete(request, "length"))
-            else:
+                outputs.extend(self._complete(request, "length"))
+            elif self._is_looping(request):
+                outputs.extend(self._complete(request, "stop"))
+            elif not request.is_sibling and request.group.is_single_decode:
                 outputs.append(
                     RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)
                 )
         return outputs
 
-    def _complete(self, request: Request, reason: str) -> RequestOutput:
-        """A decode ended: retry it at the next fallback temperature, or finish the request
-        with the attempt worth keeping."""
+    def _is_looping(self, request: Request) -> bool:
+        """A sample that can no longer pass Whisper's repetition check: its text so far is
+        already too repetitive, and it is still repeating itself. Ended now, it fails as it
+        would after running to its token limit, and the fallback it leads to starts sooner.
+        Only where a fallback can follow: a decode whose text is kept in any case runs on."""
+        group = (request.primary or request).group
+        threshold = request.sampling_params.compression_ratio_threshold
+        if threshold is None or not group.has_fallback:
+            return False
+        if not tail_repeats(request.output_token_ids, self.tokenizer.special.timestamp_begin):
+            return False
+        return compression_ratio(self.tokenizer.decode(request.output_token_ids)) > threshold
+
+    def _complete(self, sequence: Request, reason: str) -> list[RequestOutput]:
+        """A sample finished: record it, and finish the request if that decides it, or give
+        the sequence the next sample (a sibling with none left goes, a request parks)."""
+        request = sequence.primary or sequence
+        group = request.group
         params = request.sampling_params
-        tokens, logprobs = request.output_token_ids, request.output_logprobs
+        tokens, logprobs = sequence.output_token_ids, sequence.output_logprobs
         summary = summarize(
-            tokens, logprobs, self.tokenizer.decode(tokens), request.temperature, request.no_speech_prob,
+            tokens, logprobs, self.tokenizer.decode(tokens), sequence.temperature, request.no_speech_prob,
             self.tokenizer.special.eot,
         )
-        attempt = Attempt(tokens, logprobs, summary, request.alignment_scores, reason)
-        if request.fallback_temperatures and needs_fallback(summary, params):
-            request.attempts.append(attempt)
-            self._retry(request)
-            return RequestOutput(request.request_id, [], [], False, None, request.language, restarted=True)
+        attempt = Attempt(tokens, logprobs, summary, sequence.alignment_scores, reason)
+        streamed = not sequence.is_sibling and group.is_single_decode
+        chosen = group.record(sequence.sample_key, attempt)
+        if chosen is None:
+            key = group.next_unassigned()
+            if sequence.is_sibling:
+                self._drop_sibling(sequence)
+            elif key is not None:
+                self._restart(sequence, key)
+            else:
+                self.running.remove(sequence)
+                self.parked.append(sequence)
+            return []
 
-        attempts = [*request.attempts, attempt]
-        chosen = attempt if len(attempts) == 1 else pick_attempt(attempts, params)
         summary = chosen.summary
-        summary.num_attempts = len(attempts)
+        summary.num_attempts = len(group.finished)
         summary.no_speech = is_silence(summary, params)
         if params.word_timestamps:
             summary.token_times = text_token_times(
                 chosen.token_ids, chosen.alignment_scores, len(request.audio), self.tokenizer.special.eot
             )
         self._finish(request, RequestStatus.FINISHED, chosen.finish_reason)
-        if chosen is attempt:  # the tokens already sent stand; this adds the last one
-            return RequestOutput(
+        if chosen is attempt and streamed:  # the tokens already sent stand; this adds the last one
+            return [RequestOutput(
                 request.request_id, tokens[-1:], logprobs[-1:], True, chosen.finish_reason, request.language,
                 summary=summary,
-            )
-        return RequestOutput(
+            )]
+        return [RequestOutput(
             request.request_id, chosen.token_ids, chosen.logprobs, True, chosen.finish_reason, request.language,
             restarted=True, summary=summary,
-        )
+        )]
 
-    def _retry(self, request: Request) -> None:
-        """Decodes again at the next temperature over the same cross-attention K/V and prompt
+    # --- samples and siblings -----------------------------------------------------------
+
+    def _start_sample(self, sequence: Request, key: tuple[int, int]) -> None:
+        group = (sequence.primary or sequence).group
+        group.assign(key)
+        sequence.sample_key = key
+        sequence.temperature = group.temperature(key)
+        sequence.sample_seed = group.seed(key)
+        sequence.generator = None
+        sequence.output_token_ids = []
+        sequence.output_logprobs = []
+        sequence.alignment_scores = []
+
+    def _restart(self, request: Request, key: tuple[int, int]) -> None:
+        """The request decodes another sample over the same cross-attention K/V and prompt
         K/V: the last prompt token is recomputed to get its logits back."""
-        request.temperature = request.fallback_temperatures.pop(0)
-        request.output_token_ids = []
-        request.output_logprobs = []
-        request.alignment_scores = []
+        self._start_sample(request, key)
         num_prompt = len(request.prompt_token_ids)
         self.block_manager.trim(request, num_prompt)
-        request.num_computed_tokens = num_prompt - 1
+        request.num_computed_tokens = min(request.num_computed_tokens, num_prompt - 1)
+
+    def _shareable_tokens(self, request: Request) -> int:
+        """Prompt tokens a sibling can read from the request's blocks: whole blocks, already
+        computed, short of the last prompt token (whose logits the sibling needs)."""
+        computed = min(request.num_computed_tokens, len(request.prompt_token_ids) - 1)
+        return computed // self.block_manager.block_size * self.block_manager.block_size
+
+    def _can_start_sibling(self, request: Request) -> bool:
+        if not request.cross_kv_written or request.needs_language or request.group.next_unassigned() is None:
+            return False
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        num_prompt = len(request.prompt_token_ids)
+        block_size = self.block_manager.block_size
+        own_blocks = self.block_manager.blocks_for_tokens(num_prompt) - self._shareable_tokens(request) // block_size
+        return own_blocks <= self.block_manager.num_free_blocks
+
+    def _start_sibling(self, request: Request) -> Request:
+        """A new sequence for the request's next unassigned sample, reading its cross-attention
+        and prompt blocks and computing only the prompt's last block itself."""
+        key = request.group.next_unassigned()
+        sibling = Request(
+            f"{request.request_id}/sample-{next(self._sibling_numbers)}", request.audio, request.prompt_token_ids,
+            request.sampling_params, request.max_tokens, task=request.task, sot_index=request.sot_index,
+        )
+        sibling.primary = request
+        sibling.order = request.order
+        sibling.language = request.language
+        sibling.no_speech_prob = request.no_speech_prob
+        sibling.cross_kv_written = True
+        shared = self._shareable_tokens(request)
+        self.block_manager.share(request, sibling, shared)
+        sibling.num_computed_tokens = shared
+        self.block_manager.grow(sibling)
+        sibling.set_status(RequestStatus.RUNNING)
+        self._start_sample(sibling, key)
+        self.running.append(sibling)
+        return sibling
+
+    def _siblings(self, request: Request) -> list[Request]:
+        return [sequence for sequence in self.running if sequence.primary is request]
+
+    def _drop_sibling(self, sibling: Request) -> None:
+        """The sibling stops; its blocks go (shared ones stay with the request), and its
+        sample, if unfinished, is decoded again later."""
+        (sibling.primary.group).unassign(sibling.sample_key)
+        self.running.remove(sibling)
+        self.block_manager.free(sibling)
+        sibling.set_status(RequestStatus.ABORTED)
+
+    def _make_room(self, output: SchedulerOutput) -> Request:
+        """Frees blocks for an older sequence: the newest request's newest sibling goes, or,
+        without siblings, the newest request is preempted. Returns what was let go."""
+        candidates = self.running + self.parked
+        newest = candidates[max(range(len(candidates)), key=lambda i: (candidates[i].order, candidates[i].is_sibling, i))]
+        output.preempted.append(newest)
+        if newest.is_sibling:
+            self._drop_sibling(newest)
+        else:
+            self._preempt(newest)
+        return newest
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -206,8 +333,12 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, status: RequestStatus, reason: str) -> None:
-        if request.status is RequestStatus.RUNNING:
+        for sibling in self._siblings(request):
+            self._drop_sibling(sibling)
+        if request in self.running:
             self.running.remove(request)
+        elif request in self.parked:
+            self.parked.remove(request)
         request.set_status(status)
         request.finish_reason = reason
         self.block_manager.free(request)
@@ -215,8 +346,15 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _preempt(self, request: Request) -> None:
-        """Frees everything the request holds; it resumes by recomputing encoder and tokens."""
-        self.running.remove(request)
+        """Frees everything the request holds, its siblings included; it resumes by recomputing
+        encoder and tokens. A parked request resumes on an unfinished sample of its own."""
+        for sibling in self._siblings(request):
+            self._drop_sibling(sibling)
+        if request in self.parked:
+            self.parked.remove(request)
+            self._start_sample(request, request.group.next_unassigned())
+        else:
+            self.running.remove(request)
         self.block_manager.free(request)
         self.encoder_cache.free(request.request_id)
         request.num_computed_tokens = 0

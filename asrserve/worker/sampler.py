@@ -181,16 +181,11 @@ class Sampler:
         return torch.tensor(list(rows), dtype=torch.long, device=self.device)
 
     def _generator(self, request: Request) -> torch.Generator:
-        """Each sampling request draws from its own generator, seeded by its seed, so what it
-        samples does not depend on what else is in the batch. The request
-        carries it, so it lives exactly as long as the request."""
+        """Each sampling sequence draws from its own generator, seeded by its sample's seed
+        (DecodeGroup.seed), so what it samples does not depend on what else is in the batch.
+        The sequence carries it, so it lives exactly as long as the sample."""
         if request.generator is None:
-            params = request.sampling_params
-            seed = params.seed
-            if seed is None:
-                # Temperature 0 samples only in fallback retries: a fixed seed keeps a greedy
-                # request reproducible. An explicit temperature without a seed is random.
-                seed = 0 if params.temperature == 0 else int(torch.randint(2**62, ()).item())
+            assert request.sample_seed is not None, request
             request.generator = torch.Generator(device=self.device)
-            request.generator.manual_seed(seed)
+            request.generator.manual_seed(request.sample_seed)
         return request.generator
