@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="text that came before the audio: spellings, names, style")
     transcribe.add_argument("--no-fallback", dest="fallback", action="store_false",
                             help="decode once: no temperature fallback, no silence detection")
+    transcribe.add_argument("--best-of", type=int, default=None,
+                            help="samples drawn at each temperature above 0, the likeliest kept "
+                                 "(default 5; 1 with --no-fallback)")
     transcribe.add_argument("--chunking-strategy", default=None, metavar="STRATEGY", help=CHUNKING_HELP)
     transcribe.add_argument("--no-seek-continuation", dest="seek_continuation", action="store_false",
                             help="one decode per piece: do not decode the rest of a piece again when "
@@ -199,7 +202,7 @@ def _transcribe(args: argparse.Namespace) -> int:
             args.files, language=args.language, task=args.task, temperature=args.temperature,
             seed=args.seed, max_tokens=args.max_tokens, errors="return", progress=show_progress,
             timestamps=args.response_format in TIMESTAMPED_FORMATS, word_timestamps=args.word_timestamps,
-            prompt=args.prompt, fallback=args.fallback,
+            prompt=args.prompt, fallback=args.fallback, best_of=args.best_of,
             chunking_strategy=parse_chunking_strategy(args.chunking_strategy),
             seek_continuation=args.seek_continuation,
         )

@@ -198,6 +198,23 @@ def test_temperature_fallback_extension_decodes_once(client, server, speech_file
     assert response.status_code == 400 and response.json()["error"]["param"] == "temperature_fallback"
 
 
+def test_best_of_extension(client, server, speech_files):
+    from asrserve.entrypoints.serving_transcription import TranscriptionParams
+    from asrserve.entrypoints.protocol import TranscriptionRequest
+
+    for fields, expected in (({}, 5), ({"best_of": ["2"]}, 2), ({"temperature_fallback": ["false"]}, 1)):
+        params = TranscriptionRequest.from_form(fields)
+        assert TranscriptionParams(None, "transcribe", params, "transcriptions", 0.0).sampling.best_of == expected
+    with open(speech_files[0], "rb") as file:
+        result = client.audio.transcriptions.create(
+            model="tiny.en", file=file, temperature=0.6, response_format="verbose_json", extra_body={"best_of": 3},
+        )
+    assert result.text.strip() and result.segments[0].temperature == 0.6
+    audio = speech_files[0].read_bytes()
+    for data in ({"best_of": "0"}, {"best_of": "17"}, {"best_of": "two"}, {"best_of": "3", "stream": "true"}):
+        _assert_error(_post(server, files={"file": audio}, data=data), 400, param="best_of")
+
+
 def test_raw_stream_is_sse_ending_with_done(server, speech_files):
     with httpx.stream(
         "POST", f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[1].read_bytes()},

@@ -114,6 +114,7 @@ class ASR:
         word_timestamps: bool = False,
         prompt: str | None = None,
         fallback: bool = True,
+        best_of: int | None = None,
         chunking_strategy: str | dict | ChunkingStrategy | None = None,
         seek_continuation: bool = True,
     ) -> list[Transcription]:
@@ -130,13 +131,16 @@ class ASR:
         time each word (implies timestamps). prompt: text that came before the audio.
         fallback: at temperature 0, retry pieces that fail Whisper's checks at higher
         temperatures and drop pieces judged silence (OpenAI's semantics); False decodes once.
+        The fallback temperatures decode side by side, not one after another.
+        best_of: samples drawn at each temperature above 0, the likeliest kept (default 5 with
+        fallback on, 1 without).
         """
         sources = [audio] if _is_single(audio) else list(audio)
         results: list[Transcription | None] = [None] * len(sources)
         for index, transcription in self.transcribe_iter(
             sources, language=language, task=task, temperature=temperature, seed=seed,
             max_tokens=max_tokens, errors=errors, progress=progress, timestamps=timestamps,
-            word_timestamps=word_timestamps, prompt=prompt, fallback=fallback,
+            word_timestamps=word_timestamps, prompt=prompt, fallback=fallback, best_of=best_of,
             chunking_strategy=chunking_strategy, seek_continuation=seek_continuation,
         ):
             results[index] = transcription
@@ -158,6 +162,7 @@ class ASR:
         word_timestamps: bool = False,
         prompt: str | None = None,
         fallback: bool = True,
+        best_of: int | None = None,
         chunking_strategy: str | dict | ChunkingStrategy | None = None,
         seek_continuation: bool = True,
     ) -> Iterator[tuple[int, Transcription]]:
@@ -167,10 +172,13 @@ class ASR:
         if errors not in ("raise", "return"):
             raise ValueError("errors must be 'raise' or 'return'")
         timestamps = timestamps or word_timestamps
-        params = SamplingParams.transcription(
-            temperature, decode_once=not fallback, seed=seed, max_tokens=max_tokens, timestamps=timestamps,
-            word_timestamps=word_timestamps,
-        )
+        try:
+            params = SamplingParams.transcription(
+                temperature, decode_once=not fallback, seed=seed, max_tokens=max_tokens, timestamps=timestamps,
+                word_timestamps=word_timestamps, best_of=best_of,
+            )
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
         language = self.engine.check_language(language, task)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from asrserve.engine.request import MAX_BEST_OF
+
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 # Formats built from segment timestamps (the model decodes with timestamp tokens for them).
 TIMESTAMPED_FORMATS = ("srt", "verbose_json", "vtt")
@@ -57,6 +59,9 @@ class TranscriptionRequest(BaseModel):
     # asrserve's extension (OpenAI SDK: extra_body={"temperature_fallback": False}): at
     # temperature 0, decode once instead of retrying failed pieces at higher temperatures.
     temperature_fallback: bool = True
+    # asrserve's extension: samples drawn at each temperature above 0, the likeliest kept
+    # (openai/whisper's best_of). Default 5, as openai/whisper's command line and faster-whisper.
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)
     # "auto", or {"type": "server_vad", ...}: a JSON object in one field, or its fields sent as
     # chunking_strategy[type], chunking_strategy[threshold], ... (as OpenAI's SDKs send objects).
     # Checked by asrserve.audio.chunking.ChunkingStrategy.parse.

@@ -119,9 +119,12 @@ class TranscriptionParams:
         self.timestamps = params.response_format in TIMESTAMPED_FORMATS
         self.words = "word" in params.timestamp_granularities
         decode_once = params.stream or not params.temperature_fallback
+        if params.stream and params.best_of is not None and params.best_of > 1:
+            # Streamed text is sent as it is decoded: there is one sample to send.
+            raise APIError(400, "best_of: a streamed transcription decodes one sample", param="best_of")
         self.sampling = SamplingParams.transcription(
             params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
-            timestamps=self.timestamps, word_timestamps=self.words,
+            timestamps=self.timestamps, word_timestamps=self.words, best_of=params.best_of,
         )
 
 
