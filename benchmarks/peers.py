@@ -1,20 +1,29 @@
 """asrserve next to its peers, in one run: same machine, same tiny.en weights, same audio.
 
     pip install -e '.[bench]'
-    python benchmarks/peers.py [--workloads short,long] [--systems ...] [--repeats 3] [--save-result peers.json]
+    python benchmarks/peers.py [--workloads mixed,short,long] [--decoding defaults|once] [--systems ...]
+                               [--repeats 3] [--save-result peers.json]
 
-Workloads (both with reference texts, WER with Whisper's English normaliser):
+Workloads (all with reference texts, WER with Whisper's English normaliser):
+  mixed  42 short clips (benchmarks/workloads.mixed_clips): espeak-ng sentences, some under
+         noise, and ../shared/audio's real recordings of up to 30 s, five of them not English.
   short  32 Harvard sentences spoken by espeak-ng, ~2.4 s each (76 s in all).
   long   2 recordings of ~112 s: the English recordings of ../shared/audio joined with 0.5 s
          pauses (real speech; espeak-ng sentences without the folder).
 
-Systems, each in its own process (no thread or allocator settings leak between them), all
-greedy, one decode per 30 s window, no temperature fallback; short clips without timestamps,
-long audio with them (Whisper's long-form mode: without timestamp tokens, tiny.en drops whole
-sentences of a dense 30 s window, and every system's WER is near 50%):
+--decoding defaults (the default): what a user gets without asking. Greedy, then Whisper's
+temperature fallback (0.2 ... 1.0, best_of 5, compression ratio 2.4, log-probability -1.0,
+no-speech 0.6) on asrserve (OpenAI's defaults) and faster-whisper (its defaults, beam_size 1).
+transformers is left out: its short-form generate has no fallback.
+--decoding once: one greedy decode per 30 s window everywhere (temperature_fallback=false).
+
+Systems, each in its own process (no thread or allocator settings leak between them), short
+clips without timestamps, long audio with them (Whisper's long-form mode: without timestamp
+tokens, tiny.en drops whole sentences of a dense 30 s window, and every system's WER is near
+50%):
   asrserve-offline[-fp32]    the engine in-process (`ASR`), every file submitted at once
   asrserve-http              `asrserve serve` as a subprocess, loaded by `asrserve bench`'s load
-                             generator at --concurrency (default 8) with temperature_fallback=false
+                             generator at --concurrency (default 8)
   transformers               `WhisperForConditionalGeneration.generate`, batched; its best batch
                              size of 8/16/32 (long-form generation for the long workload)
   faster-whisper-*           one file at a time (int8, float32); int8 with two workers on one
@@ -54,7 +63,7 @@ from asrserve.benchmark.workload import load_workload, read_manifest
 from asrserve.config import cpu_has_native_bf16
 from asrserve.model.loader import _bundled
 from asrserve.model.tokenizer import WhisperTokenizer
-from benchmarks.workloads import long_recordings, short_clips, write_manifest
+from benchmarks.workloads import long_recordings, mixed_clips, short_clips, write_manifest
 
 FAST_DTYPE = "bfloat16" if cpu_has_native_bf16() else "float32"  # what --dtype auto picks here
 
@@ -70,9 +79,12 @@ def timed(run, audios, repeats: int) -> tuple[float, list[str]]:
     return statistics.median(walls), texts
 
 
+FALLBACK = True  # --decoding defaults; main sets it, and passes it to its workers
+
+
 def asrserve_offline(dtype: str, timestamps: bool):
     asr = ASR(dtype=dtype, max_num_seqs=64, max_encoder_batch=8)
-    run = lambda audios: [t.text for t in asr.transcribe(audios, fallback=False, timestamps=timestamps)]  # noqa: E731
+    run = lambda audios: [t.text for t in asr.transcribe(audios, fallback=FALLBACK, timestamps=timestamps)]  # noqa: E731
     return {"dtype": dtype, "timestamps": timestamps}, run
 
 
@@ -116,10 +128,13 @@ def faster_whisper(compute_type: str, timestamps: bool, workers: int = 1, batche
     cpus = os.cpu_count() or 2
     model = WhisperModel(directory, device="cpu", compute_type=compute_type, cpu_threads=max(1, cpus // workers),
                          num_workers=workers)
-    options = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=not timestamps,
+    # With fallback: faster-whisper's own defaults (temperatures 0, 0.2 ... 1.0, best_of 5, its
+    # thresholds), greedy at temperature 0.
+    temperature = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0] if FALLBACK else 0.0
+    options = dict(language="en", beam_size=1, temperature=temperature, without_timestamps=not timestamps,
                    condition_on_previous_text=False)
     config = {"compute_type": compute_type, "workers": workers, "cpu_threads": max(1, cpus // workers),
-              "timestamps": timestamps}
+              "timestamps": timestamps, "fallback": FALLBACK}
     if batched:
         pipeline = BatchedInferencePipeline(model)
         # The pipeline batches the VAD segments of one input: one segment per short clip.
@@ -157,6 +172,7 @@ def measure_in_process(name: str, directory: Path, repeats: int, long: bool) -> 
         config["batch_sizes_tried"] = {str(k): round(v, 2) for k, v in tried.items()}
     else:
         config, run = FACTORIES[name](long)
+        config["fallback"] = FALLBACK
     wall, texts = timed(run, audios, repeats)
     audio_seconds = sum(len(a) for a in audios) / 16000
     return {
@@ -174,14 +190,16 @@ def measure_http(directory: Path, repeats: int, concurrency: int, long: bool) ->
         server.wait_ready()
         spec = LoadSpec(url=server.url, model="tiny.en", concurrency=concurrency, progress=False,
                         response_format="verbose_json" if long else "json",
-                        num_requests=min(8, len(files)), fields=(("temperature_fallback", "false"),))
+                        num_requests=min(8, len(files)),
+                        fields=() if FALLBACK else (("temperature_fallback", "false"),))
         asyncio.run(run_load(spec, files))  # warm-up
         spec = dataclasses.replace(spec, num_requests=max(len(files) * repeats, 2 * concurrency))
         summary = summarize(asyncio.run(run_load(spec, files)), files)
     finally:
         server.stop()
     return {
-        "system": "asrserve-http", "config": {"dtype": FAST_DTYPE, "concurrency": concurrency, "timestamps": long},
+        "system": "asrserve-http",
+        "config": {"dtype": FAST_DTYPE, "concurrency": concurrency, "timestamps": long, "fallback": FALLBACK},
         "audio_seconds": summary["audio_seconds"], "wall_seconds": summary["wall_seconds"],
         "rtfx": summary["rtfx"], "wer": summary.get("wer"), "failed": summary["failed"],
         "latency_ms": summary["latency_ms"],
@@ -192,7 +210,12 @@ def run_workload(workload: str, systems: list[str], repeats: int, concurrency: i
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        references = short_clips(32, directory) if workload == "short" else long_recordings(2, 90, directory)
+        if workload == "mixed":
+            references = mixed_clips(directory)
+        elif workload == "short":
+            references = short_clips(32, directory)
+        else:
+            references = long_recordings(2, 90, directory)
         write_manifest(directory, references)
         print(f"\n{workload}: {len(references)} files", flush=True)
         print(f"{'system':<32}{'audio s':>9}{'wall s':>9}{'RTFx':>8}{'WER %':>8}", flush=True)
@@ -201,7 +224,8 @@ def run_workload(workload: str, systems: list[str], repeats: int, concurrency: i
                 result = measure_http(directory, repeats, concurrency, workload == "long")
             else:
                 worker = subprocess.run(
-                    [sys.executable, __file__, "--worker", name, "--dir", tmp, "--repeats", str(repeats)]
+                    [sys.executable, __file__, "--worker", name, "--dir", tmp, "--repeats", str(repeats),
+                     "--decoding", "defaults" if FALLBACK else "once"]
                     + (["--long"] if workload == "long" else []),
                     capture_output=True, text=True,
                 )
@@ -233,7 +257,9 @@ def ratios(results: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="short,long")
+    parser.add_argument("--workloads", default="mixed,short,long")
+    parser.add_argument("--decoding", choices=["defaults", "once"], default="defaults",
+                        help="defaults: temperature fallback on everywhere (what users get); once: one greedy decode")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per system; the median is reported")
     parser.add_argument("--concurrency", type=int, default=8, help="asrserve-http: requests in flight")
@@ -243,15 +269,20 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    global FALLBACK
+    FALLBACK = args.decoding == "defaults"
     if args.worker:  # one system, in its own process
         print(json.dumps(measure_in_process(args.worker, args.dir, args.repeats, args.long)))
         return
     systems = args.systems.split(",")
+    if FALLBACK and "transformers" in systems:
+        print("transformers left out: its short-form generate has no temperature fallback")
+        systems.remove("transformers")
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         sys.exit(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     print(f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-          f"asrserve dtype {FAST_DTYPE}")
+          f"asrserve dtype {FAST_DTYPE}, decoding: {args.decoding}")
     results = []
     for workload in args.workloads.split(","):
         results += run_workload(workload, systems, args.repeats, args.concurrency)
@@ -261,7 +292,7 @@ def main() -> None:
         print(f"{key:<64}{value:>6}")
     if args.save_result:
         args.save_result.write_text(json.dumps({
-            "cpus": os.cpu_count(), "repeats": args.repeats, "torch": torch.__version__,
+            "cpus": os.cpu_count(), "repeats": args.repeats, "torch": torch.__version__, "decoding": args.decoding,
             "machine": platform.processor() or platform.machine(), "results": results, "ratios": summary,
         }, indent=2) + "\n")
 

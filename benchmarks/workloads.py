@@ -90,3 +90,31 @@ def long_recordings(count: int, min_seconds: float, directory: Path) -> dict[str
         soundfile.write(directory / name, np.concatenate(audio), SAMPLE_RATE)
         references[name] = " ".join(texts)
     return references
+
+
+def mixed_clips(directory: Path, seed: int = 0) -> dict[str, str]:
+    """What a short-clip service gets, where Whisper's fallback has work to do: 24 Harvard
+    sentences by espeak-ng, 8 of them again under white noise at 5 dB SNR, and (with
+    ../shared/audio) its real recordings of up to 30 s: English, and one each in German,
+    Spanish, French, Italian and Portuguese (tiny.en cannot read those: its decodes fail the
+    checks and fall back). File name -> reference text."""
+    references = short_clips(24, directory)
+    rng = np.random.default_rng(seed)
+    for name in list(references)[:8]:
+        clean = load_audio(directory / name)
+        noise = rng.normal(0, 1, len(clean)).astype(np.float32)
+        noise *= np.sqrt(np.mean(clean**2) / np.mean(noise**2) / 10 ** (5 / 10))
+        noisy = f"noisy-{name}"
+        soundfile.write(directory / noisy, np.clip(clean + noise, -1, 1), SAMPLE_RATE)
+        references[noisy] = references[name]
+    manifest = SHARED_AUDIO / "manifest.tsv"
+    if manifest.is_file():
+        with open(manifest, encoding="utf-8") as file:
+            for row in csv.DictReader(file, delimiter="\t"):
+                # The stereo file's reference names its channels; it is left out.
+                if float(row["duration_seconds"]) > 30 or "[" in row["reference_transcript"]:
+                    continue
+                name = f"real-{Path(row['file']).stem}.wav"
+                soundfile.write(directory / name, load_audio(SHARED_AUDIO / row["file"]), SAMPLE_RATE)
+                references[name] = row["reference_transcript"]
+    return references

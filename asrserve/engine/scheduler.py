@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerOutput"]
 
+LOOP_CHECK_EVERY = 8  # tokens between checks for a looping sample
+
 
 @dataclass
 class SchedulerOutput:
@@ -192,7 +194,8 @@ class Scheduler:
         Only where a fallback can follow: a decode whose text is kept in any case runs on."""
         group = (request.primary or request).group
         threshold = request.sampling_params.compression_ratio_threshold
-        if threshold is None or not group.has_fallback:
+        # Every 8th token: a loop runs on for many more, and the check is Python on each sequence.
+        if threshold is None or not group.has_fallback or len(request.output_token_ids) % LOOP_CHECK_EVERY:
             return False
         if not tail_repeats(request.output_token_ids, self.tokenizer.special.timestamp_begin):
             return False
