@@ -68,6 +68,17 @@ class BlockManager:
             self._release(block_id)
         del request.self_block_table[keep:]
 
+    def shareable_tokens(self, request: Request) -> int:
+        """Prompt tokens a sibling can read from the request's blocks: whole blocks, already
+        computed, short of the last prompt token (whose logits the sibling needs)."""
+        computed = min(request.num_computed_tokens, len(request.prompt_token_ids) - 1)
+        return computed // self.block_size * self.block_size
+
+    def can_start_sibling(self, request: Request) -> bool:
+        """Free blocks for the prompt blocks a new sibling of the request computes itself."""
+        own = self.blocks_for_tokens(len(request.prompt_token_ids)) - self.shareable_tokens(request) // self.block_size
+        return own <= self.num_free_blocks
+
     def share(self, source: Request, sibling: Request, num_tokens: int) -> None:
         """Gives a new sibling of `source` its cross-attention blocks and the blocks of its
         first num_tokens tokens (a whole number of blocks, already computed): the sibling reads

@@ -5,6 +5,7 @@ which attempt to keep when every temperature failed."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from asrserve.engine.request import Attempt, DecodeSummary, SamplingParams
 
@@ -34,6 +35,16 @@ def tail_repeats(token_ids: list[int], timestamp_begin: int, min_repeats: int = 
         if all(text[-(k + 1) * unit: len(text) - k * unit] == tail for k in range(1, min_repeats)):
             return True
     return False
+
+
+def can_no_longer_pass(token_ids: list[int], text: Callable[[list[int]], str], threshold: float | None,
+                       timestamp_begin: int) -> bool:
+    """A sample that is already too repetitive to pass the compression-ratio check and is still
+    repeating itself: ended now, it fails as it would after running on to its token limit.
+    text decodes the tokens (only called once the tail repeats)."""
+    if threshold is None or not tail_repeats(token_ids, timestamp_begin):
+        return False
+    return compression_ratio(text(token_ids)) > threshold
 
 
 def summarize(

@@ -188,6 +188,21 @@ class Request:
         # The sampler's generator for temperature sampling (torch.Generator), made on first use.
         self.generator = None
 
+    def new_sibling(self, request_id: str) -> "Request":
+        """A sequence for another sample of this request: its audio, prompt, language and
+        limits, with cross-attention K/V already written (the blocks are shared by the block
+        manager)."""
+        sibling = Request(
+            request_id, self.audio, self.prompt_token_ids, self.sampling_params, self.max_tokens, task=self.task,
+            sot_index=self.sot_index,
+        )
+        sibling.primary = self
+        sibling.order = self.order
+        sibling.language = self.language
+        sibling.no_speech_prob = self.no_speech_prob
+        sibling.cross_kv_written = True
+        return sibling
+
     @property
     def is_sibling(self) -> bool:
         return self.primary is not None

@@ -1,19 +1,19 @@
 """Continuous batching: which sequences the next step's encoder and decoder forwards cover.
 
-A request is one sequence until it needs several: best_of samples, or the fallback temperatures
-once its first decode fails (DecodeGroup). Its siblings are sequences of their own in the
-running list (they count against max_num_seqs and grow blocks like any sequence) that share the
-request's cross-attention and prompt blocks. A request whose own sample is done while siblings
-still decode is parked: out of the batch, holding its shared blocks.
+A request is one sequence until it needs more: best_of samples, or its fallback temperatures
+once its first decode fails (DecodeGroup). Siblings are sequences in the running list (they
+count against max_num_seqs and grow blocks like any other) that share the request's
+cross-attention and prompt blocks. A request whose own sample is done while siblings decode is
+parked: out of the batch, holding its shared blocks.
 
 FCFS. Running sequences come first, oldest first, each needing blocks for its next token; when
 the pool runs out, the newest request's newest sibling is dropped (its sample starts again
-later), and a request without siblings is preempted (blocks freed, back to the front of the
-waiting queue, recomputed on resumption). Then siblings are started for requests that have
-samples waiting, oldest request first. Then waiting requests are admitted in order, while there
-is a sequence slot, room in this step's encoder batch and the encoder cache, and blocks for their
-cross-attention and prompt. The queue is never skipped, so nothing starves; the pool always
-holds one full-length sequence, so the oldest request always advances.
+later), or a request without siblings is preempted (blocks freed, back to the front of the
+queue, recomputed on resumption). Then siblings start for requests with samples waiting, oldest
+first; then waiting requests are admitted in order while there is a sequence slot, room in this
+step's encoder batch and the encoder cache, and blocks for their cross-attention and prompt.
+The queue is never skipped, so nothing starves; the pool always holds one full-length
+sequence, so the oldest request always advances.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.decode_group import DecodeGroup
-from asrserve.engine.fallback import compression_ratio, is_silence, summarize, tail_repeats
+from asrserve.engine.fallback import can_no_longer_pass, is_silence, summarize
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
 from asrserve.engine.word_timing import text_token_times
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -188,18 +188,15 @@ class Scheduler:
         return outputs
 
     def _is_looping(self, request: Request) -> bool:
-        """A sample that can no longer pass Whisper's repetition check: its text so far is
-        already too repetitive, and it is still repeating itself. Ended now, it fails as it
-        would after running to its token limit, and the fallback it leads to starts sooner.
-        Only where a fallback can follow: a decode whose text is kept in any case runs on."""
-        group = (request.primary or request).group
-        threshold = request.sampling_params.compression_ratio_threshold
-        # Every 8th token: a loop runs on for many more, and the check is Python on each sequence.
-        if threshold is None or not group.has_fallback or len(request.output_token_ids) % LOOP_CHECK_EVERY:
+        """A sample that can no longer pass, ended early; only where a fallback can follow (a
+        decode whose text is kept in any case runs on). Every 8th token: a loop runs on for
+        many more, and the check is Python on each sequence."""
+        if not (request.primary or request).group.has_fallback or len(request.output_token_ids) % LOOP_CHECK_EVERY:
             return False
-        if not tail_repeats(request.output_token_ids, self.tokenizer.special.timestamp_begin):
-            return False
-        return compression_ratio(self.tokenizer.decode(request.output_token_ids)) > threshold
+        return can_no_longer_pass(
+            request.output_token_ids, self.tokenizer.decode, request.sampling_params.compression_ratio_threshold,
+            self.tokenizer.special.timestamp_begin,
+        )
 
     def _complete(self, sequence: Request, reason: str) -> list[RequestOutput]:
         """A sample finished: record it, and finish the request if that decides it, or give
@@ -265,36 +262,17 @@ class Scheduler:
         self.block_manager.trim(request, num_prompt)
         request.num_computed_tokens = min(request.num_computed_tokens, num_prompt - 1)
 
-    def _shareable_tokens(self, request: Request) -> int:
-        """Prompt tokens a sibling can read from the request's blocks: whole blocks, already
-        computed, short of the last prompt token (whose logits the sibling needs)."""
-        computed = min(request.num_computed_tokens, len(request.prompt_token_ids) - 1)
-        return computed // self.block_manager.block_size * self.block_manager.block_size
-
     def _can_start_sibling(self, request: Request) -> bool:
         if not request.cross_kv_written or request.needs_language or request.group.next_unassigned() is None:
             return False
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        num_prompt = len(request.prompt_token_ids)
-        block_size = self.block_manager.block_size
-        own_blocks = self.block_manager.blocks_for_tokens(num_prompt) - self._shareable_tokens(request) // block_size
-        return own_blocks <= self.block_manager.num_free_blocks
+        return len(self.running) < self.config.max_num_seqs and self.block_manager.can_start_sibling(request)
 
     def _start_sibling(self, request: Request) -> Request:
         """A new sequence for the request's next unassigned sample, reading its cross-attention
         and prompt blocks and computing only the prompt's last block itself."""
         key = request.group.next_unassigned()
-        sibling = Request(
-            f"{request.request_id}/sample-{next(self._sibling_numbers)}", request.audio, request.prompt_token_ids,
-            request.sampling_params, request.max_tokens, task=request.task, sot_index=request.sot_index,
-        )
-        sibling.primary = request
-        sibling.order = request.order
-        sibling.language = request.language
-        sibling.no_speech_prob = request.no_speech_prob
-        sibling.cross_kv_written = True
-        shared = self._shareable_tokens(request)
+        sibling = request.new_sibling(f"{request.request_id}/sample-{next(self._sibling_numbers)}")
+        shared = self.block_manager.shareable_tokens(request)
         self.block_manager.share(request, sibling, shared)
         sibling.num_computed_tokens = shared
         self.block_manager.grow(sibling)
