@@ -104,30 +104,29 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.parked)
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self.running)
-
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(freed_encoder_ids=self.encoder_cache.take_freed())
 
+        # A sequence let go (preempted: waiting; dropped sibling: aborted) is no longer RUNNING.
         for request in list(self.running):
-            if request not in self.running:
+            if request.status is not RequestStatus.RUNNING:
                 continue  # made room for an older request below
             while not self.block_manager.can_grow(request):
                 victim = self._make_room(output)
-                if victim is request or request not in self.running:
+                if victim is request or request.status is not RequestStatus.RUNNING:
                     break
-            if request in self.running:
+            if request.status is RequestStatus.RUNNING:
                 self.block_manager.grow(request)
                 output.scheduled.append(request)
 
         # After a preemption the pool is tight: starting more would only preempt again.
         if output.preempted:
             return output
-        for request in sorted(self.running + self.parked, key=lambda r: r.order):
-            if request.is_sibling:
-                continue
+        # Usually none: only requests in fallback or best_of have samples waiting.
+        pending = [
+            r for r in (*self.running, *self.parked) if not r.is_sibling and r.group.next_unassigned() is not None
+        ]
+        for request in sorted(pending, key=lambda r: r.order):
             while self._can_start_sibling(request):
                 sibling = self._start_sibling(request)
                 output.scheduled.append(sibling)
@@ -157,7 +156,7 @@ class Scheduler:
         for index, (request, token_id, logprob) in enumerate(
             zip(scheduler_output.scheduled, sampled.token_ids, sampled.logprobs)
         ):
-            if request not in self.running:
+            if request.status is not RequestStatus.RUNNING:
                 continue  # aborted, or dropped as a sibling, while the step ran
             request.num_computed_tokens = request.num_tokens
             if sampled.no_speech_probs and sampled.no_speech_probs[index] is not None:
@@ -260,7 +259,7 @@ class Scheduler:
         self._start_sample(request, key)
         num_prompt = len(request.prompt_token_ids)
         self.block_manager.trim(request, num_prompt)
-        request.num_computed_tokens = min(request.num_computed_tokens, num_prompt - 1)
+        request.num_computed_tokens = num_prompt - 1
 
     def _can_start_sibling(self, request: Request) -> bool:
         if not request.cross_kv_written or request.needs_language or request.group.next_unassigned() is None:
@@ -287,7 +286,7 @@ class Scheduler:
     def _drop_sibling(self, sibling: Request) -> None:
         """The sibling stops; its blocks go (shared ones stay with the request), and its
         sample, if unfinished, is decoded again later."""
-        (sibling.primary.group).unassign(sibling.sample_key)
+        sibling.primary.group.unassign(sibling.sample_key)
         self.running.remove(sibling)
         self.block_manager.free(sibling)
         sibling.set_status(RequestStatus.ABORTED)
