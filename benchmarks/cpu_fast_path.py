@@ -1,17 +1,23 @@
 """What each lever of the CPU fast path buys, measured on this machine with tiny.en:
 
-    python benchmarks/cpu_fast_path.py [--batch 8] [--requests 8,32]
+    python benchmarks/cpu_fast_path.py [--batch 8] [--requests 8,32] [--only decode-step]
 
 Encoder: milliseconds per 30 s window for float32 (SDPA), bfloat16 with torch's SDPA,
 bfloat16 with our one-head-at-a-time attention (the eager fast path), and the compiled
 encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross-attention
 over 1500 encoder positions for N decoding requests, torch's SDPA against our head-major
-matmuls (copies included), in bfloat16.
+matmuls (copies included), in bfloat16. Decode step: the whole decoder forward and the logits
+for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16),
+as the engine ran it before cross-attention was read in place (K/V gathered per step, logits
+as hidden @ weight.T) and as it runs now, with the requests' cross slots side by side and
+scattered (every other slot: one attention call per request).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,11 +27,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
 from asrserve.config import ModelConfig
+from asrserve.engine.block_manager import BlockManager
+from asrserve.engine.request import Request, SamplingParams
 from asrserve.model import whisper
 from asrserve.model.attention import GatherBuffers, _attention_head_major
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
+from asrserve.worker.input_batch import DecoderInputBuilder
 
 
 def per_call_ms(fn, repeats: int) -> float:
@@ -79,19 +90,75 @@ def cross_attention_rows(requests: list[int], repeats: int) -> list[tuple[str, f
     return rows
 
 
+def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list[tuple[str, float]]:
+    """The engine's decoder forward and logits for n requests decoding their 45th token, with
+    their cross slots side by side (one attention call per layer) and scattered (every other
+    slot: one call per request), and the gathered reference. The variants take turns, `rounds`
+    times, and each row is the median round: this machine's memory bandwidth drifts.
+
+    Run in an older tree (no cross_in_place), the engine path is that tree's: how "before" in
+    docs/benchmarks.md was measured."""
+    cpu = torch.device("cpu")
+    loaded = load_model(ModelConfig(), cpu, torch.float32)
+    decoder, dims = loaded.model.decoder, loaded.model.dims
+    special = loaded.tokenizer.special
+    prompt = [special.sot, special.no_timestamps, *range(400, 443)]
+    has_reference = "cross_in_place" in inspect.signature(DecoderInputBuilder).parameters
+    block_size, steps = 16, {}
+    for n in requests:
+        for layout, spacing in (("slots side by side", 1), ("slots scattered", 2)):
+            blocks = BlockManager(spacing * n * (94 + 3) + 8, block_size, dims.n_audio_ctx)
+            kv_cache = torch.randn(dims.n_text_layer, 2, blocks.num_blocks, block_size, dims.n_text_head,
+                                   dims.head_dim, generator=torch.Generator().manual_seed(0))
+            admitted = []
+            for i in range(spacing * n):
+                request = Request(f"r{i}", np.zeros(16000, np.float32), prompt, SamplingParams(), 100)
+                request.num_computed_tokens, request.no_speech_prob = len(prompt) - 1, 0.0
+                blocks.admit(request)
+                admitted.append(request)
+            for request in admitted[1::spacing] if spacing > 1 else ():
+                blocks.free(request)
+            batch = admitted[::spacing]
+            variants = [(f"engine path, {layout}", {})]
+            if has_reference and spacing == 1:
+                variants.append(("gathered reference", {"cross_in_place": False}))
+            for name, options in variants:
+                builder = DecoderInputBuilder(block_size, dims.n_audio_ctx, 0, {}, cpu, **options)
+
+                def step(builder=builder, batch=batch, kv_cache=kv_cache):
+                    inputs = builder.build(batch)
+                    hidden = decoder(inputs.input_ids, inputs.positions, kv_cache, inputs.metadata)
+                    return decoder.compute_logits(hidden[inputs.logits_indices])
+
+                steps[f"{n} requests, {name}"] = step
+    timings: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            timings[name].append(per_call_ms(step, repeats))
+    return [(name, statistics.median(values)) for name, values in timings.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8, help="audios per encoder call")
     parser.add_argument("--requests", default="8,32", help="decoding requests for the cross-attention rows")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=("encoder", "cross-attention", "decode-step"), help="one section only")
     args = parser.parse_args()
+    requests = [int(n) for n in args.requests.split(",")]
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"\nencoder, batch of {args.batch}: ms per 30 s window")
-    for name, ms in encoder_rows(args.batch, args.repeats):
-        print(f"  {name:<44}{ms:>8.1f}")
-    print("\ndecoder cross-attention, one layer, bfloat16: ms per step")
-    for name, ms in cross_attention_rows([int(n) for n in args.requests.split(",")], 4 * args.repeats):
-        print(f"  {name:<44}{ms:>8.2f}")
+    if args.only in (None, "encoder"):
+        print(f"\nencoder, batch of {args.batch}: ms per 30 s window")
+        for name, ms in encoder_rows(args.batch, args.repeats):
+            print(f"  {name:<44}{ms:>8.1f}")
+    if args.only in (None, "cross-attention"):
+        print("\ndecoder cross-attention, one layer, bfloat16: ms per step")
+        for name, ms in cross_attention_rows(requests, 4 * args.repeats):
+            print(f"  {name:<44}{ms:>8.2f}")
+    if args.only in (None, "decode-step"):
+        print("\ndecode step, tiny.en, float32: ms per step (decoder forward and logits)")
+        for name, ms in decode_step_rows(requests, 2 * args.repeats):
+            print(f"  {name:<52}{ms:>8.2f}")
 
 
 if __name__ == "__main__":

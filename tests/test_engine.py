@@ -286,3 +286,64 @@ def test_compiled_encoder_matches_eager(monkeypatch):
     assert compiled_encoder(encoder, 80, cpu, torch.bfloat16, "auto") is encoder
     with pytest.raises(RuntimeError, match="no compiler"):
         compiled_encoder(encoder, 80, cpu, torch.bfloat16, "on")
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cross_attention_in_place_matches_the_gather_path(dtype_name):
+    """The decoder reads each request's encoder K/V in its slot of the pool (runs of neighbouring
+    slots, siblings sharing a slot, rows reordered by slot) and gives what the gather path
+    gives: requests in scattered slots, two siblings on one slot, one request mid-prompt."""
+    import torch
+
+    from asrserve.engine.block_manager import BlockManager
+    from asrserve.engine.request import Request
+    from asrserve.model.whisper import Whisper, WhisperDims
+    from asrserve.worker.input_batch import DecoderInputBuilder
+
+    dtype = getattr(torch, dtype_name)
+    cross_len, block_size = 100, 16  # a slot holds 112 positions: the view is trimmed to 100
+    dims = WhisperDims(n_mels=80, n_audio_ctx=cross_len, n_audio_state=64, n_audio_head=4, n_audio_layer=1,
+                       n_vocab=300, n_text_ctx=64, n_text_state=64, n_text_head=4, n_text_layer=2)
+    model = Whisper(dims)
+    model.init_random_weights(seed=3)
+    model = model.to(dtype).eval()
+    blocks = BlockManager(num_blocks=12 * 7 + 20, block_size=block_size, cross_len=cross_len)
+    kv_cache = torch.randn(2, 2, blocks.num_blocks, block_size, 4, 16, generator=torch.Generator().manual_seed(4))
+    kv_cache = kv_cache.to(dtype)
+    rng = random.Random(5)
+
+    def new_request(name: str, num_computed: int, num_tokens: int) -> Request:
+        request = Request(name, np.zeros(16000, np.float32), [rng.randrange(1, 290) for _ in range(num_tokens)],
+                          SamplingParams(), 10)
+        request.num_computed_tokens = num_computed
+        request.no_speech_prob = 0.0
+        return request
+
+    requests = [new_request(f"r{i}", 12, 13) for i in range(7)]
+    for request in requests:
+        blocks.admit(request)
+    for request in (requests[2], requests[5]):  # holes: slots 0 1 _ 3 4 _ 6
+        blocks.free(request)
+    running = [requests[i] for i in (6, 0, 3, 1, 4)]  # not in slot order
+    prefill = new_request("prefill", 3, 9)  # mid-prompt: six rows, in slot 2
+    blocks.admit(prefill)
+    sibling = new_request("sibling", 12, 13)
+    blocks.share(requests[3], sibling, 0)
+    sibling.self_block_table = []
+    blocks.grow(sibling)
+    batch = [*running[:2], sibling, prefill, *running[2:]]
+
+    hidden = {}
+    for in_place in (False, True):
+        builder = DecoderInputBuilder(block_size, cross_len, 0, {}, torch.device("cpu"), cross_in_place=in_place)
+        inputs = builder.build(batch)
+        if in_place:
+            runs = [(run.first_slot, run.num_slots, run.rows_per_slot) for run in inputs.metadata.cross_runs]
+            assert runs == [(0, 2, 1), (2, 1, 6), (3, 1, 2), (4, 1, 1), (6, 1, 1)]
+            assert inputs.metadata.cross_row_order is not None
+        with torch.inference_mode():
+            hidden[in_place] = model.decoder(inputs.input_ids, inputs.positions, kv_cache.clone(), inputs.metadata)
+    reference, in_place = hidden[False].float(), hidden[True].float()
+    tolerance = 1e-5 if dtype == torch.float32 else 0.1
+    assert reference.shape == in_place.shape
+    assert (reference - in_place).abs().max() < tolerance * reference.abs().max()

@@ -96,6 +96,45 @@ def test_admission_fails_when_blocks_do_not_fit():
     assert blocks.can_admit(second)
 
 
+def test_cross_blocks_are_aligned_slots_taken_lowest_first_and_self_blocks_come_from_the_top():
+    blocks = BlockManager(num_blocks=3 * 94 + 10, block_size=16, cross_len=1500)
+    assert blocks.num_cross_slots == 3
+    first, second, third = make_request("a"), make_request("b"), make_request("c")
+    for request in (first, second):
+        blocks.admit(request)
+    assert first.cross_block_table == list(range(94)) and second.cross_block_table == list(range(94, 188))
+    assert first.self_block_table == [3 * 94 + 9] and second.self_block_table == [3 * 94 + 8]
+    assert [blocks.cross_slot(r) for r in (first, second)] == [0, 1]
+    blocks.free(first)
+    blocks.admit(third)  # the lowest free slot again
+    assert blocks.cross_slot(third) == 0
+
+
+def test_a_slot_is_free_only_when_all_its_blocks_are():
+    """Self blocks spill into the slot region once the top is used up. A slot holding one of
+    them cannot be admitted into, though enough blocks are free in number."""
+    blocks = BlockManager(num_blocks=3 * 94 + 4, block_size=16, cross_len=1500)  # top: 282-285
+    first, second, third, fourth = (make_request(name) for name in "abcd")
+    blocks.admit(first)
+    blocks.admit(second)
+    second.output_token_ids = [1] * 40  # three self blocks: the top is used up
+    blocks.grow(second)
+    first.output_token_ids = [1] * 16  # a second self block, from slot 2
+    blocks.grow(first)
+    assert first.self_block_table == [285, 281] and second.self_block_table == [284, 283, 282]
+    blocks.free(second)
+    blocks.admit(third)
+    assert blocks.cross_slot(third) == 1
+    assert blocks.num_free_blocks == blocks.blocks_to_admit(fourth) and not blocks.can_admit(fourth)
+    blocks.trim(first, 2)  # block 281 goes back: slot 2 is whole again
+    blocks.admit(fourth)
+    assert blocks.cross_slot(fourth) == 2
+    for request in (first, third, fourth):
+        blocks.free(request)
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert all(blocks.ref_count(b) == 0 for b in range(blocks.num_blocks))
+
+
 # --- encoder cache ------------------------------------------------------------------------
 
 

@@ -1,8 +1,14 @@
-"""The KV block pool. Requests own their block tables; the manager owns the free list and a
+"""The KV block pool. Requests own their block tables; the manager owns the free blocks and a
 reference count per block.
 
 Each request holds two tables over the same pool: cross-attention blocks, reserved whole on
 admission (ceil(1500 / block_size)), and self-attention blocks, which grow with the tokens.
+A request's cross-attention blocks are one *cross slot*: num_cross_blocks consecutive blocks
+starting at a multiple of num_cross_blocks, so its encoder K/V is one contiguous
+[1500, heads, head_dim] region the decode step reads in place, and requests in neighbouring
+slots form one strided batch (see attention.cross_attention_in_place). Slots are taken lowest
+first, from the low end of the pool; self-attention blocks are taken highest first, so the two
+meet only when the pool is nearly full.
 The sibling sequences of one request (its fallback temperatures and best_of samples) share its
 cross-attention blocks and the full blocks of its prompt: each table holding a block counts
 once, and a block returns to the pool when the last table lets it go.
@@ -10,8 +16,8 @@ once, and a block returns to the pool when the last table lets it go.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
 
 from asrserve.engine.request import Request
 
@@ -21,12 +27,19 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_cross_blocks = math.ceil(cross_len / block_size)
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self.num_cross_slots = num_blocks // self.num_cross_blocks
         self._ref_counts = [0] * num_blocks  # tables holding each block; 0: free
+        self._num_free = num_blocks
+        self._free_in_slot = [self.num_cross_blocks] * self.num_cross_slots
+        # Free self-attention candidates, highest id first (negated for heapq). A block a slot
+        # takes keeps its entry, skipped when popped; _in_heap keeps one entry per block.
+        self._self_heap = [-block_id for block_id in range(num_blocks)]
+        heapq.heapify(self._self_heap)
+        self._in_heap = [True] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        return self._num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -41,13 +54,17 @@ class BlockManager:
         return self.num_cross_blocks + self.blocks_for_tokens(request.num_tokens)
 
     def can_admit(self, request: Request) -> bool:
-        return self.blocks_to_admit(request) <= self.num_free_blocks
+        return self._free_slot() is not None and self.blocks_to_admit(request) <= self.num_free_blocks
 
     def admit(self, request: Request) -> None:
         assert not request.cross_block_table and not request.self_block_table, request
         assert self.can_admit(request), request
-        request.cross_block_table = self._take(self.num_cross_blocks)
+        request.cross_block_table = self._take_slot(self._free_slot())
         request.self_block_table = self._take(self.blocks_for_tokens(request.num_tokens))
+
+    def cross_slot(self, request: Request) -> int:
+        """The slot index of the request's cross-attention blocks."""
+        return request.cross_block_table[0] // self.num_cross_blocks
 
     def blocks_to_grow(self, request: Request) -> int:
         """Extra self-attention blocks the request's uncomputed tokens need."""
@@ -107,10 +124,44 @@ class BlockManager:
         assert self._ref_counts[block_id] > 0, f"block {block_id} freed twice"
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            self._free_block_ids.append(block_id)
+            self._num_free += 1
+            self._count_in_slot(block_id, +1)
+            if not self._in_heap[block_id]:
+                self._in_heap[block_id] = True
+                heapq.heappush(self._self_heap, -block_id)
+
+    def _free_slot(self) -> int | None:
+        for slot, free in enumerate(self._free_in_slot):
+            if free == self.num_cross_blocks:
+                return slot
+        return None
+
+    def _take_slot(self, slot: int) -> list[int]:
+        first = slot * self.num_cross_blocks
+        block_ids = list(range(first, first + self.num_cross_blocks))
+        for block_id in block_ids:
+            self._mark_taken(block_id)
+        return block_ids
 
     def _take(self, count: int) -> list[int]:
-        block_ids = [self._free_block_ids.popleft() for _ in range(count)]
-        for block_id in block_ids:
-            self._ref_counts[block_id] = 1
+        """count free blocks for self-attention, highest id first."""
+        assert count <= self._num_free, (count, self._num_free)
+        block_ids = []
+        while len(block_ids) < count:
+            block_id = -heapq.heappop(self._self_heap)
+            self._in_heap[block_id] = False
+            if self._ref_counts[block_id] == 0:
+                self._mark_taken(block_id)
+                block_ids.append(block_id)
         return block_ids
+
+    def _mark_taken(self, block_id: int) -> None:
+        assert self._ref_counts[block_id] == 0, f"block {block_id} is taken"
+        self._ref_counts[block_id] = 1
+        self._num_free -= 1
+        self._count_in_slot(block_id, -1)
+
+    def _count_in_slot(self, block_id: int, delta: int) -> None:
+        slot = block_id // self.num_cross_blocks
+        if slot < self.num_cross_slots:
+            self._free_in_slot[slot] += delta

@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model.attention import AttentionMetadata, alignment_scores, paged_attention, write_kv
+from asrserve.model.attention import (
+    AttentionMetadata,
+    alignment_scores,
+    cross_attention_gathered,
+    cross_attention_in_place,
+    paged_attention,
+    write_cross_kv,
+    write_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -145,18 +153,24 @@ class DecoderCrossAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
         self.layer_index = 0
 
-    def write_cross_kv(self, encoder_out: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Computes K/V of [N, 1500, d] encoder outputs once and stores them in their blocks."""
-        kv = self.kv_proj(encoder_out).view(-1, 2, self.num_heads, encoder_out.shape[-1] // self.num_heads)
-        write_kv(layer_cache, kv[:, 0], kv[:, 1], slot_mapping)
+    def write_cross_kv(self, encoder_out: torch.Tensor, layer_cache: torch.Tensor, slots: list[int],
+                       slot_tokens: int) -> None:
+        """Computes K/V of [N, 1500, d] encoder outputs once and stores them in their slots."""
+        num_audios, cross_len, d_model = encoder_out.shape
+        kv = self.kv_proj(encoder_out).view(num_audios, cross_len, 2, self.num_heads, d_model // self.num_heads)
+        for audio_kv, slot in zip(kv, slots):
+            write_cross_kv(layer_cache, audio_kv[:, 0], audio_kv[:, 1], slot, slot_tokens)
 
     def forward(self, x: torch.Tensor, layer_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = metadata.num_tokens
         q = self.q_proj(x[:num_tokens]).view(num_tokens, self.num_heads, -1)
         alignment = metadata.alignment
         if alignment is not None and (heads := alignment.heads_by_layer.get(self.layer_index)) is not None:
-            alignment.scores[self.layer_index] = alignment_scores(q, layer_cache, alignment, heads, metadata.cross_len)
-        out = paged_attention(q, layer_cache, metadata.cross_block_tables, metadata, key_len=metadata.cross_len)
+            alignment.scores[self.layer_index] = alignment_scores(q, layer_cache, alignment, heads, metadata)
+        if metadata.cross_runs is not None:
+            out = cross_attention_in_place(q, layer_cache, metadata)
+        else:
+            out = cross_attention_gathered(q, layer_cache, metadata)
         return self.out_proj(_pad_rows(out, x.shape[0]))
 
 
@@ -203,10 +217,10 @@ class TextDecoder(nn.Module):
             x = layer(x, layer_cache, metadata)
         return self.layer_norm(x)
 
-    def write_cross_kv(self, encoder_out: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        flat = encoder_out.reshape(-1, encoder_out.shape[-1])
+    def write_cross_kv(self, encoder_out: torch.Tensor, kv_cache: torch.Tensor, slots: list[int],
+                       slot_tokens: int) -> None:
         for layer_cache, layer in zip(kv_cache, self.layers):
-            layer.encoder_attn.write_cross_kv(flat, layer_cache, slot_mapping)
+            layer.encoder_attn.write_cross_kv(encoder_out, layer_cache, slots, slot_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The output projection is tied to the token embedding. On CPU with 16-bit weights it
@@ -214,12 +228,18 @@ class TextDecoder(nn.Module):
         # 1/8 near 20, which ties and flips greedy choices. With fp32 logits tiny.en's bf16
         # transcripts of real speech equal its fp32 ones (benchmarks/dtype_accuracy.py); the
         # step pays ~2 ms for reading twice the bytes.
+        #
+        # On CPU the product runs as weight @ hidden.T: for a few rows against the 52k-token
+        # vocabulary MKL's kernel for hidden @ weight.T repacks the whole 80 MB weight on every
+        # call, and the step's logits take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
         weight = self.embed_tokens.weight
-        if hidden.device.type == "cpu" and weight.dtype != torch.float32:
+        if hidden.device.type != "cpu":
+            return F.linear(hidden, weight).float()
+        if weight.dtype != torch.float32:
             if self._fp32_output_weight is None:
                 self._fp32_output_weight = weight.float()
-            return F.linear(hidden.float(), self._fp32_output_weight)
-        return F.linear(hidden, weight).float()
+            weight = self._fp32_output_weight
+        return torch.mm(weight, hidden.float().T).T.contiguous()
 
 
 class Whisper(nn.Module):

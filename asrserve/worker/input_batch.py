@@ -4,13 +4,20 @@ sampler, the no-speech probability and the word-timestamp scores read."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from asrserve.engine.request import Request
-from asrserve.model.attention import AlignmentQuery, AttentionMetadata, GatherBuffers, build_self_attn_mask
+from asrserve.model.attention import (
+    AlignmentQuery,
+    AttentionMetadata,
+    CrossRun,
+    GatherBuffers,
+    build_self_attn_mask,
+)
 
 
 @dataclass
@@ -26,12 +33,15 @@ class DecoderInputs:
 
 class DecoderInputBuilder:
     """Builds DecoderInputs on `device`. Holds what every step shares: the pool's block size,
-    the cross-attention length, the alignment heads and the reused K/V gather buffers."""
+    the cross-attention length, the alignment heads and the reused K/V gather buffers.
+    cross_in_place=False runs cross-attention on the gather path (the reference)."""
 
     def __init__(self, block_size: int, cross_len: int, padding_multiple: int,
-                 alignment_heads: dict[int, torch.Tensor], device: torch.device):
+                 alignment_heads: dict[int, torch.Tensor], device: torch.device, cross_in_place: bool = True):
         self.block_size = block_size
         self.cross_len = cross_len
+        self.num_cross_blocks = math.ceil(cross_len / block_size)
+        self.cross_in_place = cross_in_place
         self.padding_multiple = padding_multiple
         self.alignment_heads = alignment_heads
         self.device = device
@@ -64,7 +74,7 @@ class DecoderInputBuilder:
             self_tables[seq_of_token, flat_positions // self.block_size] * self.block_size
             + flat_positions % self.block_size
         )
-        cross_tables = np.asarray([r.cross_block_table for r in requests], dtype=np.int64)
+        cross_slots = [self._cross_slot(r) for r in requests]
 
         query_lens_t = torch.tensor(query_lens, device=self.device)
         context_lens_t = torch.tensor(context_lens, device=self.device)
@@ -83,11 +93,14 @@ class DecoderInputBuilder:
             self_attn_mask=build_self_attn_mask(
                 context_lens_t, query_lens_t, max_query_len, max_self_blocks * self.block_size
             ),
-            cross_block_tables=self._tensor(cross_tables),
+            cross_slots=cross_slots,
+            cross_slot_tokens=self.num_cross_blocks * self.block_size,
             cross_len=self.cross_len,
             padded_index=padded_index,
             gather_buffers=self.gather_buffers,
         )
+        if self.cross_in_place:
+            self._plan_cross_runs(metadata, query_lens)
         padded_tokens = self._padded_size(num_tokens)
         last_token_rows = np.cumsum(query_lens) - 1
         # Word timestamps: the alignment heads' scores where each aligned request samples (not
@@ -96,7 +109,7 @@ class DecoderInputBuilder:
         if aligned:
             metadata.alignment = AlignmentQuery(
                 token_rows=self._tensor(last_token_rows[aligned]),
-                cross_block_tables=self._tensor(cross_tables[aligned]),
+                cross_slots=[cross_slots[i] for i in aligned],
                 heads_by_layer=self.alignment_heads,
             )
         return DecoderInputs(
@@ -107,6 +120,36 @@ class DecoderInputBuilder:
             no_speech_rows=no_speech_rows,
             aligned_requests=aligned,
         )
+
+    def _cross_slot(self, request: Request) -> int:
+        table = request.cross_block_table
+        slot, offset = divmod(table[0], self.num_cross_blocks)
+        assert offset == 0 and table[-1] == table[0] + self.num_cross_blocks - 1, f"{request}: not a cross slot"
+        return slot
+
+    def _plan_cross_runs(self, metadata: AttentionMetadata, query_lens: list[int]) -> None:
+        """Orders the flat rows by cross slot and cuts them into runs of neighbouring slots with
+        equally many rows (see cross_attention_in_place)."""
+        rows_by_slot: dict[int, list[int]] = {}
+        first_row = 0
+        for slot, query_len in zip(metadata.cross_slots, query_lens):
+            rows_by_slot.setdefault(slot, []).extend(range(first_row, first_row + query_len))
+            first_row += query_len
+        runs: list[CrossRun] = []
+        order: list[int] = []
+        for slot in sorted(rows_by_slot):
+            rows = rows_by_slot[slot]
+            order.extend(rows)
+            last = runs[-1] if runs else None
+            if last and last.first_slot + last.num_slots == slot and last.rows_per_slot == len(rows):
+                runs[-1] = CrossRun(last.first_slot, last.num_slots + 1, len(rows))
+            else:
+                runs.append(CrossRun(slot, 1, len(rows)))
+        metadata.cross_runs = runs
+        if order != list(range(first_row)):
+            order_array = np.asarray(order)
+            metadata.cross_row_order = self._tensor(order_array)
+            metadata.cross_row_inverse = self._tensor(np.argsort(order_array))
 
     def _padded_size(self, rows: int) -> int:
         """Rows rounded up so matrix kernels take the same code path for every batch: small

@@ -178,7 +178,5 @@ class ModelRunner:
 
     def _write_cross_kv(self, requests: list[Request]) -> None:
         encoder_out = torch.stack([self.encoder_outputs[r.request_id] for r in requests])
-        block_tables = torch.tensor([r.cross_block_table for r in requests], dtype=torch.long)
-        offsets = torch.arange(self.block_size)
-        slots = (block_tables[:, :, None] * self.block_size + offsets).flatten(1)[:, : self.dims.n_audio_ctx]
-        self.model.decoder.write_cross_kv(encoder_out, self.kv_cache, slots.flatten().to(self.device))
+        slots = [r.cross_block_table[0] // self.num_cross_blocks for r in requests]
+        self.model.decoder.write_cross_kv(encoder_out, self.kv_cache, slots, self.num_cross_blocks * self.block_size)
