@@ -104,10 +104,10 @@ def test_cross_blocks_are_aligned_slots_taken_lowest_first_and_self_blocks_come_
         blocks.admit(request)
     assert first.cross_block_table == list(range(94)) and second.cross_block_table == list(range(94, 188))
     assert first.self_block_table == [3 * 94 + 9] and second.self_block_table == [3 * 94 + 8]
-    assert [blocks.cross_slot(r) for r in (first, second)] == [0, 1]
+    assert [r.cross_slot for r in (first, second)] == [0, 1]
     blocks.free(first)
     blocks.admit(third)  # the lowest free slot again
-    assert blocks.cross_slot(third) == 0
+    assert third.cross_slot == 0
 
 
 def test_a_slot_is_free_only_when_all_its_blocks_are():
@@ -124,11 +124,11 @@ def test_a_slot_is_free_only_when_all_its_blocks_are():
     assert first.self_block_table == [285, 281] and second.self_block_table == [284, 283, 282]
     blocks.free(second)
     blocks.admit(third)
-    assert blocks.cross_slot(third) == 1
+    assert third.cross_slot == 1
     assert blocks.num_free_blocks == blocks.blocks_to_admit(fourth) and not blocks.can_admit(fourth)
     blocks.trim(first, 2)  # block 281 goes back: slot 2 is whole again
     blocks.admit(fourth)
-    assert blocks.cross_slot(fourth) == 2
+    assert fourth.cross_slot == 2
     for request in (first, third, fourth):
         blocks.free(request)
     assert blocks.num_free_blocks == blocks.num_blocks

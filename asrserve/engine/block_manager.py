@@ -59,12 +59,9 @@ class BlockManager:
     def admit(self, request: Request) -> None:
         assert not request.cross_block_table and not request.self_block_table, request
         assert self.can_admit(request), request
-        request.cross_block_table = self._take_slot(self._free_slot())
+        request.cross_slot = self._free_slot()
+        request.cross_block_table = self._take_slot(request.cross_slot)
         request.self_block_table = self._take(self.blocks_for_tokens(request.num_tokens))
-
-    def cross_slot(self, request: Request) -> int:
-        """The slot index of the request's cross-attention blocks."""
-        return request.cross_block_table[0] // self.num_cross_blocks
 
     def blocks_to_grow(self, request: Request) -> int:
         """Extra self-attention blocks the request's uncomputed tokens need."""
@@ -107,6 +104,7 @@ class BlockManager:
             assert self._ref_counts[block_id] > 0, f"block {block_id} is free"
             self._ref_counts[block_id] += 1
         sibling.cross_block_table = list(source.cross_block_table)
+        sibling.cross_slot = source.cross_slot
         sibling.self_block_table = list(shared)
 
     def ref_count(self, block_id: int) -> int:
@@ -118,6 +116,7 @@ class BlockManager:
         for block_id in (*request.cross_block_table, *request.self_block_table):
             self._release(block_id)
         request.cross_block_table = []
+        request.cross_slot = None
         request.self_block_table = []
 
     def _release(self, block_id: int) -> None:

@@ -182,6 +182,7 @@ class Request:
         # Owned block tables (the block manager owns only the pool).
         self.self_block_table: list[int] = []
         self.cross_block_table: list[int] = []
+        self.cross_slot: int | None = None  # where cross_block_table starts, in slots (BlockManager)
         # Whether this admission's cross-attention K/V is in its blocks yet.
         self.cross_kv_written = False
         self.num_preemptions = 0

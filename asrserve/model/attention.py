@@ -70,7 +70,7 @@ def write_cross_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 def alignment_scores(
     query: torch.Tensor, layer_cache: torch.Tensor, alignment: AlignmentQuery, heads: torch.Tensor,
-    metadata: "AttentionMetadata",
+    metadata: AttentionMetadata,
 ) -> torch.Tensor:
     """Pre-softmax q.k / sqrt(head_dim) of the given heads over each aligned request's encoder
     positions: [num_aligned, heads, cross_len]."""
@@ -209,7 +209,7 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
         queries = query[row:row + num_rows].view(run.num_slots, run.rows_per_slot, num_heads, head_dim)
         row += num_rows
         if query.device.type == "cpu" and query.dtype != torch.float32:
-            out = _attention_16bit_cpu(queries.transpose(1, 2), keys, values)
+            out = _attention_16bit_cpu(queries.transpose(1, 2), keys, values, None)
         else:
             out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values)
         outputs.append(out.transpose(1, 2).reshape(num_rows, num_heads * head_dim))
@@ -219,10 +219,15 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
     return out
 
 
-def _attention_16bit_cpu(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[N, H, Q, D] queries over head-major [N, H, K, D] keys -> [N, H, Q, D] as two matmuls:
-    the CPU path for 16-bit pools, as _attention_head_major, with the keys read in place."""
-    scores = torch.matmul(queries * queries.shape[-1] ** -0.5, keys.transpose(-1, -2))
+def _attention_16bit_cpu(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """[N, H, Q, D] queries over head-major [N, H, K, D] keys -> [N, H, Q, D] as two batched
+    matmuls: the CPU path for 16-bit pools (see _attention_head_major). The scores are rounded
+    to bf16 before the softmax."""
+    scores = torch.matmul(queries * queries.shape[-1] ** -0.5, keys.transpose(-1, -2))  # [N, H, Q, K]
+    if attn_mask is not None:
+        scores.masked_fill_(~attn_mask, float("-inf"))
     return torch.matmul(scores.softmax(-1), values)
 
 
@@ -230,20 +235,18 @@ def _attention_head_major(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None,
     buffers: GatherBuffers,
 ) -> torch.Tensor:
-    """[N, Q, H, D] queries over [N, K, H, D] keys -> [N, H, Q, D]: the CPU path for 16-bit pools.
+    """[N, Q, H, D] queries over token-major [N, K, H, D] keys -> [N, H, Q, D]: the CPU path for
+    16-bit pools over gathered (self-attention) K/V.
 
     torch's CPU SDPA kernel reads 16-bit K/V in [N, K, H, D] order slowly: on 2 AVX512-BF16 cores
     a decode step's cross-attention over 32 requests takes 22 ms per layer in bf16 against 8.5
     in fp32. Copying K/V head-major ([N, H, K, D], into reused buffers) and running two batched
-    bf16 matmuls takes ~7 ms. The scores are rounded to bf16 before the softmax."""
+    bf16 matmuls takes ~7 ms."""
     num_seqs, key_len, num_heads, head_dim = keys.shape
     shape = (num_seqs, num_heads, key_len, head_dim)
     keys = buffers.get("k_heads", shape, keys).copy_(keys.transpose(1, 2))
     values = buffers.get("v_heads", shape, values).copy_(values.transpose(1, 2))
-    scores = torch.matmul(queries.transpose(1, 2) * head_dim**-0.5, keys.transpose(-1, -2))  # [N, H, Q, K]
-    if attn_mask is not None:
-        scores.masked_fill_(~attn_mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), values)
+    return _attention_16bit_cpu(queries.transpose(1, 2), keys, values, attn_mask)
 
 
 def build_self_attn_mask(

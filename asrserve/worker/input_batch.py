@@ -40,7 +40,7 @@ class DecoderInputBuilder:
                  alignment_heads: dict[int, torch.Tensor], device: torch.device, cross_in_place: bool = True):
         self.block_size = block_size
         self.cross_len = cross_len
-        self.num_cross_blocks = math.ceil(cross_len / block_size)
+        self.cross_slot_tokens = math.ceil(cross_len / block_size) * block_size  # a slot's positions
         self.cross_in_place = cross_in_place
         self.padding_multiple = padding_multiple
         self.alignment_heads = alignment_heads
@@ -74,7 +74,7 @@ class DecoderInputBuilder:
             self_tables[seq_of_token, flat_positions // self.block_size] * self.block_size
             + flat_positions % self.block_size
         )
-        cross_slots = [self._cross_slot(r) for r in requests]
+        cross_slots = [r.cross_slot for r in requests]
 
         query_lens_t = torch.tensor(query_lens, device=self.device)
         context_lens_t = torch.tensor(context_lens, device=self.device)
@@ -94,7 +94,7 @@ class DecoderInputBuilder:
                 context_lens_t, query_lens_t, max_query_len, max_self_blocks * self.block_size
             ),
             cross_slots=cross_slots,
-            cross_slot_tokens=self.num_cross_blocks * self.block_size,
+            cross_slot_tokens=self.cross_slot_tokens,
             cross_len=self.cross_len,
             padded_index=padded_index,
             gather_buffers=self.gather_buffers,
@@ -120,12 +120,6 @@ class DecoderInputBuilder:
             no_speech_rows=no_speech_rows,
             aligned_requests=aligned,
         )
-
-    def _cross_slot(self, request: Request) -> int:
-        table = request.cross_block_table
-        slot, offset = divmod(table[0], self.num_cross_blocks)
-        assert offset == 0 and table[-1] == table[0] + self.num_cross_blocks - 1, f"{request}: not a cross slot"
-        return slot
 
     def _plan_cross_runs(self, metadata: AttentionMetadata, query_lens: list[int]) -> None:
         """Orders the flat rows by cross slot and cuts them into runs of neighbouring slots with

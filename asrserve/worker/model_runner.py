@@ -178,5 +178,6 @@ class ModelRunner:
 
     def _write_cross_kv(self, requests: list[Request]) -> None:
         encoder_out = torch.stack([self.encoder_outputs[r.request_id] for r in requests])
-        slots = [r.cross_block_table[0] // self.num_cross_blocks for r in requests]
-        self.model.decoder.write_cross_kv(encoder_out, self.kv_cache, slots, self.num_cross_blocks * self.block_size)
+        self.model.decoder.write_cross_kv(
+            encoder_out, self.kv_cache, [r.cross_slot for r in requests], self.decoder_inputs.cross_slot_tokens
+        )
