@@ -107,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="on SIGTERM, seconds requests in flight get to finish before they are cancelled")
     http.add_argument("--chunking-strategy", default=DEFAULT_CHUNKING, metavar="STRATEGY",
                       help=f"for requests without chunking_strategy: {CHUNKING_HELP} (default {DEFAULT_CHUNKING})")
+    live = serve.add_argument_group("live transcription (WS /v1/realtime)")
+    live.add_argument("--realtime-max-sessions", type=int, default=32,
+                      help="live sessions at once; past this a new one gets an error event and close code 1013")
+    live.add_argument("--realtime-interim-interval-s", type=float, default=0.5,
+                      help="seconds between decodes of a growing utterance, whose stable words are sent as "
+                      "deltas while the person speaks (0: text only once the utterance is committed)")
+    live.add_argument("--realtime-idle-timeout-s", type=float, default=120.0,
+                      help="a session that sends no event for this long is closed")
+    live.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
+                      help="longest uncommitted utterance; appends past it get an error event")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
@@ -267,6 +277,9 @@ def _serve(args: argparse.Namespace) -> int:
             upload_idle_timeout_s=args.upload_idle_timeout_s,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
             access_log=args.access_log, chunking_strategy=parse_chunking_strategy(args.chunking_strategy),
+            realtime_max_sessions=args.realtime_max_sessions, realtime_idle_timeout_s=args.realtime_idle_timeout_s,
+            realtime_max_buffer_s=args.realtime_max_buffer_s,
+            realtime_interim_interval_s=args.realtime_interim_interval_s,
         )
         engine_config = EngineConfig(
             model=ModelConfig(

@@ -112,8 +112,13 @@ class SchedulerConfig:
     max_encoder_batch: int = 8
     # Encoder outputs held at once (the encoder cache); defaults to the encoder budget.
     encoder_cache_size: int | None = None
+    # While live sessions' decodes run, file requests are admitted at most one per this many
+    # seconds (engine.waiting_queue): each brings an encoder forward into the live decodes' steps.
+    batch_admit_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.batch_admit_interval_s < 0:
+            raise ValueError("batch_admit_interval_s must be >= 0")
         if self.max_num_seqs < 1 or self.max_encoder_batch < 1:
             raise ValueError("max_num_seqs and max_encoder_batch must be at least 1")
         if self.encoder_cache_size is None:
@@ -158,6 +163,14 @@ class ServerConfig:
     # How audio over 30 s is cut for requests that send no chunking_strategy: an
     # asrserve.audio.chunking.ChunkingStrategy; None: asrserve.audio.chunking.DEFAULT_CHUNKING.
     chunking_strategy: object | None = None
+    # Live transcription (WS /v1/realtime): sessions at once (past this a new one is refused
+    # with an error event and close code 1013); seconds without a client event before a session
+    # is closed; longest uncommitted audio; seconds between interim decodes of a growing
+    # utterance (0: text only once it is committed).
+    realtime_max_sessions: int = 32
+    realtime_idle_timeout_s: float = 120.0
+    realtime_max_buffer_s: float = 300.0
+    realtime_interim_interval_s: float = 0.5
     log_level: str = "info"
     # One log line per HTTP request (uvicorn's access log); never includes headers or keys.
     access_log: bool = True
@@ -171,5 +184,9 @@ class ServerConfig:
             raise ValueError("max_audio_filesize_mb and max_audio_duration_s must be positive")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
+        if self.realtime_max_sessions < 0 or self.realtime_idle_timeout_s <= 0 or self.realtime_max_buffer_s <= 0:
+            raise ValueError("realtime_max_sessions must be >= 0, the realtime timeout and buffer positive")
+        if self.realtime_interim_interval_s < 0:
+            raise ValueError("realtime_interim_interval_s must be >= 0")
         if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0 and upload_idle_timeout_s positive")

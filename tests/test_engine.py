@@ -347,3 +347,35 @@ def test_cross_attention_in_place_matches_the_gather_path(dtype_name):
     tolerance = 1e-5 if dtype == torch.float32 else 0.1
     assert reference.shape == in_place.shape
     assert (reference - in_place).abs().max() < tolerance * reference.abs().max()
+
+
+def test_a_decoder_prefix_is_continued_and_live_decodes_go_first(tiny_en_engine, speech_audio):
+    """A request whose transcript must begin with given tokens (live transcription fixes the
+    words it has sent this way) continues them as the greedy decode did; an interactive
+    request queued behind file requests is admitted first."""
+    engine = tiny_en_engine
+    audio = speech_audio[4]
+    engine.add_request("whole", audio)
+    whole = run_to_completion(engine)["whole"]
+    eot = engine.tokenizer.special.eot
+    assert len(whole) > 12 and whole[-1] == eot
+    for cut in (1, 5, len(whole) // 2):
+        engine.add_request(f"cut{cut}", audio, prefix=whole[:cut])
+    continued = run_to_completion(engine)
+    for cut in (1, 5, len(whole) // 2):
+        assert continued[f"cut{cut}"] == whole[cut:], cut
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("special", audio, prefix=[eot])
+    # one encoder forward's worth of file requests, then a live one: the live one goes in the first step
+    batch = engine.scheduler.config.max_encoder_batch
+    for i in range(batch):
+        engine.add_request(f"file{i}", speech_audio[i % len(speech_audio)])
+    engine.add_request("live", audio, interactive=True)
+    first = engine.scheduler.schedule()
+    admitted = [r.request_id for r in first.encoder_requests]
+    assert admitted[0] == "live" and len(admitted) == 2  # with one file request; the rest wait their turn
+    engine.runner.execute(first)  # (outputs unused: this step is thrown away by aborting)
+    for request_id in ["live", *(f"file{i}" for i in range(batch))]:
+        engine.abort(request_id)
+    run_to_completion(engine)
+    assert engine.block_manager.num_used_blocks == 0

@@ -137,8 +137,25 @@ class SileroVAD:
                 [self._front_end(windows[i : i + BLOCK_WINDOWS]) for i in range(0, count, BLOCK_WINDOWS)]
             )
             hidden, _ = self.lstm(features.unsqueeze(0))  # [1, count, 128], the one sequential step
-            logits = torch.relu(hidden[0]) @ self.head_weight.T + self.head_bias
-            return torch.sigmoid(logits)[:, 0].numpy()
+            return self._head(hidden[0])
+
+    def _head(self, hidden) -> np.ndarray:
+        import torch
+
+        logits = torch.relu(hidden) @ self.head_weight.T + self.head_bias
+        return torch.sigmoid(logits)[:, 0].numpy()
+
+    def continue_probabilities(self, windows: np.ndarray, lstm_state):
+        """Streaming: the speech probabilities of [count, 576] windows (each with its 64
+        samples of context) that follow those a caller has already run, and the LSTM state to
+        pass with the next ones (None at a stream's start). The model is shared; the state is
+        the caller's."""
+        import torch
+
+        with torch.inference_mode(), _one_thread():
+            features = self._front_end(torch.from_numpy(np.array(windows, dtype=np.float32)))  # a copy: views are read-only
+            hidden, lstm_state = self.lstm(features.unsqueeze(0), lstm_state)
+            return self._head(hidden[0]), lstm_state
 
 
 @contextmanager

@@ -25,6 +25,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     amount.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                         help="send requests for this long per run, then wait for the last answers")
     parser.add_argument("--stream", action="store_true", help="stream=true: also reports time to first token")
+    parser.add_argument("--realtime", type=int, default=None, metavar="N",
+                        help="instead of file uploads: live streams over WS /v1/realtime, playing the files at real "
+                        "time with server VAD, 1, 2, 4, ... N at once; reports end of speech -> completed p50/p99, "
+                        "time to first delta, and the most streams held with that p99 under 1 s")
+    parser.add_argument("--realtime-gap-s", type=float, default=1.5,
+                        help="silence after each file in a live stream (--realtime)")
     parser.add_argument("--endpoint", choices=["transcriptions", "translations"], default="transcriptions")
     parser.add_argument("--language", default=None, help="language to send with each transcription")
     parser.add_argument("--field", action="append", default=[], metavar="NAME=VALUE",

@@ -29,15 +29,15 @@ def summarize(result: LoadResult, files: list[AudioFile]) -> dict:
         "wall_seconds": round(result.wall_s, 3),
         "rtfx": round(audio_s / result.wall_s, 2) if result.wall_s > 0 else 0.0,
         "requests_per_second": round(len(done) / result.wall_s, 3) if result.wall_s > 0 else 0.0,
-        "latency_ms": _percentiles([s.end - s.start for s in done], (50, 90, 99)),
+        "latency_ms": percentiles([s.end - s.start for s in done], (50, 90, 99)),
         "health": {
             "probes": len(result.health_latencies_s) + result.health_failures,
             "failures": result.health_failures,
-            **_percentiles(result.health_latencies_s, (50, 99)),
+            **percentiles(result.health_latencies_s, (50, 99)),
         },
     }
     if spec.stream:
-        summary["ttft_ms"] = _percentiles([s.first_token - s.start for s in done if s.first_token], (50, 99))
+        summary["ttft_ms"] = percentiles([s.first_token - s.start for s in done if s.first_token], (50, 99))
     scored = [s for s in done if files[s.file_index].reference is not None and s.text is not None]
     if scored:
         references = [files[s.file_index].reference for s in scored]
@@ -49,7 +49,7 @@ def summarize(result: LoadResult, files: list[AudioFile]) -> dict:
     return summary
 
 
-def _percentiles(values_s: list[float], which: tuple[int, ...]) -> dict:
+def percentiles(values_s: list[float], which: tuple[int, ...]) -> dict:
     if not values_s:
         return {f"p{p}": None for p in which}
     ms = np.asarray(values_s) * 1000

@@ -33,6 +33,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"asrserve bench: error: {error}", file=sys.stderr)
         return 2
     total_audio = sum(f.duration_s for f in files)
+    if args.realtime:
+        return _run_realtime(args, files, model)
     print(f"{len(files)} files, {total_audio:.1f} s of audio; {args.url}, model {model}"
           f"{', streaming' if args.stream else ''}", file=sys.stderr)
 
@@ -89,6 +91,30 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {path}", file=sys.stderr)
     return 0 if any(s["succeeded"] for s in summaries) else 1
+
+
+def _run_realtime(args: argparse.Namespace, files, model: str) -> int:
+    from asrserve.benchmark.realtime import run_realtime_sweep
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    log(f"{len(files)} files, {sum(f.duration_s for f in files):.1f} s of audio per stream; {args.url}, model {model}, "
+        f"up to {args.realtime} live streams")
+    try:
+        result = run_realtime_sweep(args.url, args.api_key, files, args.realtime, args.realtime_gap_s, log)
+    except KeyboardInterrupt:
+        log("asrserve bench: interrupted")
+        return 130
+    print(f"most live streams with end of speech -> completed p99 under 1 s: {result['max_streams_p99_under_1s']}")
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "url": args.url,
+        "model": model, "files": len(files), "client": f"{platform.machine()}, {os.cpu_count()} CPUs", **result,
+    }
+    if args.save_result:
+        args.save_result.write_text(json.dumps(record, indent=2) + "\n")
+        log(f"wrote {args.save_result}")
+    return 0 if all(run["utterances"] for run in result["runs"]) else 1
 
 
 def _concurrencies(args: argparse.Namespace) -> list[int]:

@@ -54,9 +54,15 @@ class EngineCore:
         task: str = "transcribe",
         sampling_params: SamplingParams | None = None,
         prompt: str | None = None,
+        prefix: list[int] | None = None,
+        interactive: bool = False,
     ) -> None:
         """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
         prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
+        prefix: text tokens the transcript is forced to begin with (after the task tokens, as
+        openai/whisper's `prefix`); the outputs continue it. Live transcription fixes the text
+        it has already sent this way.
+        interactive: latency-sensitive (a live session's decode), served ahead of file work.
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
         if request_id in self.scheduler.requests or request_id in self.finished_without_model:
@@ -71,16 +77,26 @@ class EngineCore:
         previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         detect_language = language is None and self.is_multilingual
+        prefix = list(prefix or [])
+        if prefix:
+            self.check_prefix(prefix)
+        if not detect_language:
+            tokens += prefix
         # Whisper's sample_len: half the decoder context, and never past its end.
-        prompt_len = len(tokens) + (3 if detect_language else 0)
+        prompt_len = len(tokens) + (3 + len(prefix) if detect_language else 0)
         limit = self.dims.n_text_ctx - prompt_len
         max_tokens = min(sampling_params.max_tokens or self.dims.n_text_ctx // 2, limit)
         request = Request(
             request_id, audio, tokens, sampling_params, max_tokens, task=task, detect_language=detect_language,
-            sot_index=tokens.index(self.tokenizer.special.sot),
+            sot_index=tokens.index(self.tokenizer.special.sot), prefix_token_ids=prefix, interactive=interactive,
         )
         request.language = known_language
         self.scheduler.add(request)
+
+    def check_prefix(self, prefix: list[int]) -> None:
+        eot = self.tokenizer.special.eot
+        if any(not 0 <= token < eot for token in prefix) or len(prefix) > self.dims.n_text_ctx // 2:
+            raise InvalidRequestError("a decoder prefix must be at most half the context of text tokens")
 
     def check_language(self, language: str | None, task: str) -> str | None:
         return check_language(self.tokenizer, self.model_name, language, task)

@@ -39,6 +39,8 @@ class EngineRequest:
     task: str
     sampling_params: SamplingParams
     prompt: str | None = None
+    prefix: list[int] | None = None  # text tokens the transcript begins with (EngineCore.add_request)
+    interactive: bool = False  # a live session's decode: served ahead of file work
 
 
 @dataclass
@@ -177,7 +179,7 @@ class EngineLoop:
                 try:
                     self.core.add_request(
                         request.request_id, request.audio, request.language, request.task, request.sampling_params,
-                        request.prompt,
+                        request.prompt, request.prefix, request.interactive,
                     )
                 except InvalidRequestError as error:
                     outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))

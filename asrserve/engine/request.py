@@ -143,6 +143,8 @@ class Request:
         task: str = "transcribe",
         detect_language: bool = False,
         sot_index: int = 0,
+        prefix_token_ids: list[int] | None = None,
+        interactive: bool = False,
     ):
         self.request_id = request_id
         self.audio = audio  # 16 kHz mono float32, at most 30 s
@@ -166,6 +168,11 @@ class Request:
         self.language_prob: float | None = None
         # Where <|startoftranscript|> sits in the prompt: no_speech_prob is read there.
         self.sot_index = sot_index
+        # Text the transcript must begin with: the end of the prompt (after the task tokens,
+        # which a language detection inserts first). Outputs continue it.
+        self.prefix_token_ids = list(prefix_token_ids or [])
+        # A live session's decode: admitted ahead of file work (Scheduler).
+        self.interactive = interactive
         self.no_speech_prob: float | None = None
         # The sample this sequence decodes (see DecodeGroup) and at which temperature. The
         # request's group lives on the request the user sent; its siblings point to it.
@@ -195,7 +202,7 @@ class Request:
         manager)."""
         sibling = Request(
             request_id, self.audio, self.prompt_token_ids, self.sampling_params, self.max_tokens, task=self.task,
-            sot_index=self.sot_index,
+            sot_index=self.sot_index, interactive=self.interactive,
         )
         sibling.primary = self
         sibling.order = self.order

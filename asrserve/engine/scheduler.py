@@ -6,14 +6,15 @@ count against max_num_seqs and grow blocks like any other) that share the reques
 cross-attention and prompt blocks. A request whose own sample is done while siblings decode is
 parked: out of the batch, holding its shared blocks.
 
-FCFS. Running sequences come first, oldest first, each needing blocks for its next token; when
-the pool runs out, the newest request's newest sibling is dropped (its sample starts again
-later), or a request without siblings is preempted (blocks freed, back to the front of the
-queue, recomputed on resumption). Then siblings start for requests with samples waiting, oldest
-first; then waiting requests are admitted in order while there is a sequence slot, room in this
-step's encoder batch and the encoder cache, and blocks for their cross-attention and prompt.
-The queue is never skipped, so nothing starves; the pool always holds one full-length
-sequence, so the oldest request always advances.
+FCFS within two classes: a live session's decodes (interactive) before file work, which keeps
+a steady share (engine.waiting_queue). Running sequences come first, oldest first, each needing
+blocks for its next token; when the pool runs out, the newest file request's newest sibling is
+dropped (its sample starts again later), or one without siblings is preempted (blocks freed,
+back to the front of its class, recomputed on resumption). Then siblings start for requests
+with samples waiting, oldest first; then waiting requests are admitted in order while there is
+a sequence slot, room in this step's encoder batch and the encoder cache, and blocks for their
+cross-attention and prompt. A class's queue is never skipped, so nothing starves; the pool
+always holds one full-length sequence, so the oldest request always advances.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.decode_group import DecodeGroup
 from asrserve.engine.fallback import can_no_longer_pass, is_silence, summarize
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
+from asrserve.engine.waiting_queue import WaitingQueue
 from asrserve.engine.word_timing import text_token_times
 from asrserve.model.tokenizer import WhisperTokenizer
 
@@ -73,7 +74,7 @@ class Scheduler:
         self.encoder_cache = encoder_cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # decoder positions (448)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.batch_admit_interval_s)
         self.running: list[Request] = []  # requests and siblings in the decoder batch
         self.parked: list[Request] = []  # requests whose own sample is done, siblings decoding
         self.requests: dict[str, Request] = {}  # by the caller's id (siblings are not here)
@@ -131,13 +132,13 @@ class Scheduler:
                 sibling = self._start_sibling(request)
                 output.scheduled.append(sibling)
         while (
-            self.waiting
+            (request := self.waiting.next_admissible(any(r.interactive for r in self.running))) is not None
             and len(self.running) < self.config.max_num_seqs
             and len(output.encoder_requests) < self.config.max_encoder_batch
             and self.encoder_cache.num_free_slots > 0
-            and self.block_manager.can_admit(self.waiting[0])
+            and self.block_manager.can_admit(request)
         ):
-            request = self.waiting.popleft()
+            self.waiting.pop(request)
             self.block_manager.admit(request)
             self.encoder_cache.allocate(request.request_id)
             request.set_status(RequestStatus.RUNNING)
@@ -168,6 +169,7 @@ class Scheduler:
                 request.prompt_token_ids.extend(
                     self.tokenizer.task_tokens(request.language, request.task, request.sampling_params.timestamps)
                 )
+                request.prompt_token_ids.extend(request.prefix_token_ids)
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
                 continue
             request.output_token_ids.append(token_id)
@@ -293,9 +295,11 @@ class Scheduler:
 
     def _make_room(self, output: SchedulerOutput) -> Request:
         """Frees blocks for an older sequence: the newest request's newest sibling goes, or,
-        without siblings, the newest request is preempted. Returns what was let go."""
+        without siblings, the newest request is preempted; file work goes before a live
+        session's decode. Returns what was let go."""
         candidates = self.running + self.parked
-        newest = candidates[max(range(len(candidates)), key=lambda i: (candidates[i].order, candidates[i].is_sibling, i))]
+        newest = candidates[max(range(len(candidates)), key=lambda i: (
+            not candidates[i].interactive, candidates[i].order, candidates[i].is_sibling, i))]
         output.preempted.append(newest)
         if newest.is_sibling:
             self._drop_sibling(newest)

@@ -62,6 +62,14 @@ class ServerMetrics:
         self.preemptions = Gauge(
             "asrserve_preemptions", "Requests preempted for lack of KV blocks since start", registry=registry
         )
+        self.realtime_sessions = Gauge(
+            "asrserve_realtime_sessions", "Live transcription sessions connected to /v1/realtime", registry=registry
+        )
+        self.realtime_completed_latency = Histogram(
+            "asrserve_realtime_end_of_speech_to_completed_seconds",
+            "Live transcription: from the end of an utterance (server VAD's speech stop, or the commit) to its "
+            "completed transcript", buckets=TTFT_BUCKETS, registry=registry,
+        )
         self.encoder_batch_size = Histogram(
             "asrserve_encoder_batch_size", "Audios per encoder forward", buckets=BATCH_BUCKETS, registry=registry
         )

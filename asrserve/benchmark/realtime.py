@@ -1,0 +1,145 @@
+"""`asrserve bench --realtime N`: N simulated live streams against WS /v1/realtime.
+
+Each stream plays the workload's files one after another at real time (100 ms appends of
+24 kHz PCM, OpenAI's format), with `gap_s` of silence after each, under server VAD. Per
+utterance it measures:
+- end of speech -> completed: from the server's `speech_stopped` (the turn is over: the
+  person has been silent for silence_duration_ms) to the transcript's `completed`;
+- time to first delta: from the first audio of the utterance sent to its first delta.
+Streams at 1, 2, 4, ... N at once: the most this machine holds with that p99 under 1 s."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asrserve.audio.decode import load_audio
+from asrserve.benchmark.report import percentiles
+from asrserve.benchmark.workload import AudioFile
+
+RATE = 24_000
+CHUNK_S = 0.1
+P99_TARGET_S = 1.0
+
+
+@dataclass
+class StreamResult:
+    completed_latency_s: list[float] = field(default_factory=list)
+    first_delta_s: list[float] = field(default_factory=list)
+    transcripts: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _pcm(file: AudioFile) -> bytes:
+    import soxr
+
+    samples = soxr.resample(load_audio(file.data), 16_000, RATE)
+    return (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, result: StreamResult) -> None:
+    import websockets
+
+    silence = bytes(int(RATE * gap_s) * 2)
+    async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        utterance_starts: list[float] = []
+        stopped: dict[str, float] = {}
+        first_delta: dict[str, float] = {}
+        done = asyncio.Event()
+
+        async def send() -> None:
+            step = int(RATE * CHUNK_S) * 2
+            start = time.monotonic()
+            sent_s = 0.0
+            for clip in clips:
+                utterance_starts.append(time.monotonic())
+                for audio in (clip, silence):
+                    for offset in range(0, len(audio), step):
+                        chunk = audio[offset : offset + step]
+                        await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                                  "audio": base64.b64encode(chunk).decode()}))
+                        sent_s += len(chunk) / 2 / RATE
+                        await asyncio.sleep(max(0.0, start + sent_s - time.monotonic()))  # real time
+
+        async def receive() -> None:
+            items: list[str] = []
+            async for message in ws:
+                event = json.loads(message)
+                kind, now = event["type"], time.monotonic()
+                if kind == "input_audio_buffer.speech_started":
+                    items.append(event["item_id"])
+                elif kind == "input_audio_buffer.speech_stopped":
+                    stopped[event["item_id"]] = now
+                elif kind.endswith("transcription.delta") and event["item_id"] not in first_delta:
+                    first_delta[event["item_id"]] = now
+                elif kind.endswith("transcription.completed"):
+                    item = event["item_id"]
+                    result.transcripts.append(event["transcript"])
+                    if item in stopped:
+                        result.completed_latency_s.append(now - stopped[item])
+                    index = items.index(item) if item in items else -1
+                    if item in first_delta and 0 <= index < len(utterance_starts):
+                        result.first_delta_s.append(first_delta[item] - utterance_starts[index])
+                    if len(result.transcripts) >= len(clips):
+                        done.set()
+                        return
+                elif kind == "error" or kind.endswith("transcription.failed"):
+                    result.errors.append(json.dumps(event.get("error")))
+
+        receiver = asyncio.ensure_future(receive())
+        await send()
+        try:
+            await asyncio.wait_for(done.wait(), timeout=60)
+        except asyncio.TimeoutError:
+            result.errors.append("timed out waiting for the last transcript")
+        receiver.cancel()
+
+
+async def run_streams(url: str, api_key: str | None, files: list[AudioFile], streams: int, gap_s: float) -> dict:
+    ws_url = url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime?intent=transcription"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    clips = [_pcm(file) for file in files]
+    results = [StreamResult() for _ in range(streams)]
+    # Streams start 0.3 s apart, as people do not all start talking in the same instant.
+    tasks = []
+    for i, result in enumerate(results):
+        rotated = clips[i % len(clips):] + clips[: i % len(clips)]
+        tasks.append(asyncio.ensure_future(_stream(ws_url, headers, rotated, gap_s, result)))
+        await asyncio.sleep(0.3)
+    await asyncio.gather(*tasks)
+    latency = [x for r in results for x in r.completed_latency_s]
+    first = [x for r in results for x in r.first_delta_s]
+    return {
+        "streams": streams,
+        "utterances": len(latency),
+        "end_of_speech_to_completed_ms": percentiles(latency, (50, 90, 99)),
+        "time_to_first_delta_ms": percentiles(first, (50, 90, 99)),
+        "utterances_with_delta_before_completed": len(first),
+        "errors": [e for r in results for e in r.errors][:5],
+        "transcripts": [t for r in results for t in r.transcripts],
+    }
+
+
+def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], max_streams: int, gap_s: float,
+                       log) -> dict:
+    levels, level = [], 1
+    while level < max_streams:
+        levels.append(level)
+        level *= 2
+    levels.append(max_streams)
+    runs = []
+    for streams in levels:
+        run = asyncio.run(run_streams(url, api_key, files, streams, gap_s))
+        runs.append(run)
+        latency = run["end_of_speech_to_completed_ms"]
+        log(f"{streams} streams: end of speech -> completed p50 {latency['p50']} ms, p99 {latency['p99']} ms; "
+            f"first delta p50 {run['time_to_first_delta_ms']['p50']} ms; {len(run['errors'])} errors")
+    held = [r["streams"] for r in runs if not r["errors"]
+            and (r["end_of_speech_to_completed_ms"]["p99"] or float("inf")) < P99_TARGET_S * 1000]
+    return {"runs": runs, "max_streams_p99_under_1s": max(held) if held else 0}

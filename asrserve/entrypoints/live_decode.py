@@ -1,0 +1,127 @@
+"""Decoding a live utterance: one engine request per decode, and the rule that decides which of
+an interim decode's words are stable enough to send.
+
+Whisper is not a streaming model, so a growing utterance is decoded again every so often
+(interim decodes) and once more when it is committed (the final decode). Text sent to a client
+cannot be taken back, so every decode of an utterance continues the tokens already sent: they
+are its forced prefix (openai/whisper's `prefix`). A word becomes stable, and is sent, when two
+interim decodes in a row agree on it and on the start of a word after it (local agreement, as
+whisper_streaming does) and on the word after it beginning at least STABLE_MARGIN_S before
+the end of the audio decoded (a word at the very edge is often misheard, and two decodes of
+nearly the same audio can agree on it). The final decode only adds to what was sent; the deltas of an item
+joined are exactly its completed transcript."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from asrserve.engine.async_client import AsyncEngineClient
+from asrserve.engine.engine_process import EngineRequest
+from asrserve.engine.request import NO_SPEECH_THRESHOLD, SamplingParams
+from asrserve.errors import InvalidRequestError
+from asrserve.model.languages import NO_SPACE_LANGUAGES
+from asrserve.model.tokenizer import WhisperTokenizer
+
+STABLE_MARGIN_S = 1.0
+_ids = itertools.count()
+_prefix = uuid.uuid4().hex[:8]
+
+
+@dataclass
+class LiveDecode:
+    token_ids: list[int]  # text tokens after the prefix
+    logprobs: list[float]
+    language: str | None
+    no_speech: bool  # judged silence (only when nothing had been sent)
+    token_times: list[float] | None = None  # interim decodes: when each token starts (s, from the audio's start)
+
+
+def interim_params() -> SamplingParams:
+    """Greedy, once: an interim decode is replaced a moment later, so it must be quick. Word
+    timestamps (from the cross-attention the decode computes anyway) say which words lie well
+    inside the audio decoded so far."""
+    return SamplingParams(temperature=0.0, no_speech_threshold=NO_SPEECH_THRESHOLD, word_timestamps=True)
+
+
+def final_params(has_prefix: bool) -> SamplingParams:
+    """OpenAI's transcription defaults, as a file upload gets them (temperature fallback with
+    best_of 5, silence judgement): a live transcript is as accurate as the same audio sent as a
+    file. Once words have been sent they stand: no silence judgement then."""
+    params = SamplingParams.transcription(0.0)
+    if has_prefix:
+        return replace(params, no_speech_threshold=None)
+    return params
+
+
+async def decode(
+    engine: AsyncEngineClient, tokenizer: WhisperTokenizer, audio: np.ndarray, language: str | None,
+    prompt: str | None, prefix: list[int], params: SamplingParams,
+) -> LiveDecode:
+    """One engine request, served ahead of file work; cancelling this aborts it."""
+    request_id = f"rt-{_prefix}-{next(_ids)}"
+    request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True)
+    stream = engine.add([request])[0]
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    summary = None
+    try:
+        async for output in stream:
+            if output.finish_reason == "error":
+                raise InvalidRequestError(output.error or "the engine refused the request")
+            if output.restarted:
+                token_ids.clear()
+                logprobs.clear()
+            token_ids.extend(output.new_token_ids)
+            logprobs.extend(output.new_logprobs)
+            language = output.language or language
+            summary = output.summary if output.finished else summary
+    except asyncio.CancelledError:
+        engine.abort([request_id])
+        raise
+    eot = tokenizer.special.eot
+    kept = [(token, logprob) for token, logprob in zip(token_ids, logprobs) if token < eot]
+    times = summary.token_times if summary is not None and summary.token_times else None
+    return LiveDecode(
+        [token for token, _ in kept], [logprob for _, logprob in kept], language,
+        summary is not None and summary.no_speech, times[: len(kept)] if times else None,
+    )
+
+
+class WordBoundaries:
+    """Which tokens begin a word: those whose text starts with a space. In languages written
+    without spaces every whole character is a unit (a token that ends inside a character's
+    UTF-8 bytes is not)."""
+
+    def __init__(self, tokenizer: WhisperTokenizer):
+        self.tokenizer = tokenizer
+        self._starts: dict[int, bool] = {}
+
+    def starts_word(self, token: int, language: str | None) -> bool:
+        if language in NO_SPACE_LANGUAGES:
+            return "\ufffd" not in self.tokenizer.decode([token])
+        if token not in self._starts:
+            self._starts[token] = self.tokenizer.decode([token])[:1].isspace()
+        return self._starts[token]
+
+    def stable_length(self, previous: list[int], current: list[int], start: int, language: str | None,
+                      times: list[float] | None = None, latest: float = float("inf")) -> int:
+        """How many leading tokens of `current` are stable: the longest common prefix of two
+        successive decodes (full token lists, prefix included), cut back to the start of a
+        word, never past the last one (the next audio may still change it) nor past a word
+        that begins after `latest` seconds (`times`: when each token of `current` begins): a
+        word heard at the very end of the audio so far is often misheard, and agreeing twice
+        on it does not make it right. Never less than `start` (the prefix already sent)."""
+        agreed = start
+        for a, b in zip(previous[start:], current[start:]):
+            if a != b:
+                break
+            agreed += 1
+        for end in range(agreed - 1, start, -1):  # the last word start after the prefix's first token
+            if self.starts_word(current[end], language) and (times is None or times[end] <= latest):
+                return end
+        return start

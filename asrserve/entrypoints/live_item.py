@@ -1,0 +1,72 @@
+"""What a live session keeps: its audio, its items (one per turn) and their segments (up to
+30 s each, one Whisper window), and the server's live transcription options."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RealtimeOptions:
+    interim_interval_s: float = 0.5  # 0: no interim decodes (text only once an item is committed)
+    pause_ms: float = 200  # silence after which the final decode starts early (server VAD)
+    max_buffer_s: float = 300  # longest uncommitted item
+
+
+@dataclass
+class Segment:
+    """Up to 30 s of an item, decoded as one Whisper window."""
+
+    start: int  # session sample offset
+    stable: list[int] = field(default_factory=list)  # tokens sent: every later decode's prefix
+    stable_logprobs: list[float] = field(default_factory=list)
+    previous: list[int] | None = None  # the last interim decode (prefix included)
+    decoded_until: int = 0  # audio end of the last interim decode
+    text: str = ""  # sent so far for this segment
+    final: asyncio.Task | None = None  # the final decode, once started (maybe early)
+    final_end: int = 0  # the audio end it decodes to
+    emitted: asyncio.Task | None = None  # its final text sent (in segment order)
+
+
+@dataclass
+class Item:
+    item_id: str
+    start: int
+    segments: list[Segment]
+    sent: str = ""  # every delta so far, joined
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    language: str | None = None
+
+
+class SessionAudio:
+    """The session's 16 kHz audio from `origin` (a sample offset since the session began)."""
+
+    def __init__(self) -> None:
+        self.origin = 0
+        self._chunks: list[np.ndarray] = []
+        self.end = 0
+
+    def append(self, samples: np.ndarray) -> None:
+        self._chunks.append(samples)
+        self.end += len(samples)
+
+    def slice(self, start: int, end: int) -> np.ndarray:
+        assert self.origin <= start <= end <= self.end, (self.origin, start, end, self.end)
+        audio = np.concatenate(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        self._chunks = [audio]
+        return audio[start - self.origin : end - self.origin].copy()
+
+    def drop_before(self, offset: int) -> None:
+        offset = min(max(offset, self.origin), self.end)
+        if offset > self.origin:
+            audio = self.slice(offset, self.end)
+            self._chunks, self.origin = [audio], offset
+
+
+def user_item(item_id: str, transcript: str | None, status: str) -> dict[str, Any]:
+    return {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": status,
+            "content": [{"type": "input_audio", "transcript": transcript}]}

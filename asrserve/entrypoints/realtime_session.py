@@ -1,0 +1,347 @@
+"""One live transcription session (OpenAI Realtime, `type: "transcription"`): its input audio
+buffer, its turns (server VAD, or the client's commits) and the transcription of each item.
+
+An item is the audio of one turn. While it grows, it is decoded again every
+`interim_interval_s` and its stable words go out as deltas (entrypoints.live_decode). With
+server VAD, the final decode starts as soon as a silence has lasted `pause_ms`, before the turn
+is over (`silence_duration_ms`): if the person goes on speaking it is dropped; if not, the
+transcript is ready about when the turn ends. A turn longer than Whisper's 30 s window is
+decoded as consecutive segments of at most 30 s, cut at the quietest point near the limit;
+the item's transcript is theirs joined. Only the audio of the open segment is kept."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asrserve.audio.chunking import quietest_point
+from asrserve.audio.streaming_vad import TurnDetector, TurnEvent, VADStream
+from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from asrserve.entrypoints import live_decode
+from asrserve.entrypoints.live_decode import LiveDecode, WordBoundaries
+from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, user_item
+from asrserve.entrypoints.pieces import separator_for
+from asrserve.entrypoints.protocol import usage_duration
+from asrserve.entrypoints.realtime_protocol import (
+    InputAudioDecoder,
+    RealtimeError,
+    SessionConfig,
+    new_id,
+    server_event,
+)
+
+MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
+MIN_INTERIM_SAMPLES = SAMPLE_RATE // 2  # an interim decode of less says little
+CUT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where a 30 s segment's cut is looked for
+
+
+class RealtimeSession:
+    def __init__(self, session_id: str, config: SessionConfig, options: RealtimeOptions, engine, tokenizer,
+                 send: Callable[[dict], Awaitable[None]], run_vad: Callable[..., Awaitable[Any]], metrics):
+        self.session_id = session_id
+        self.config = config
+        self.options = options
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.send = send
+        self.run_vad = run_vad  # runs a function off the event loop (the live VAD's thread)
+        self.metrics = metrics
+        self.words = WordBoundaries(tokenizer)
+        self.decoder = InputAudioDecoder(config)
+        self.audio = SessionAudio()
+        self.item: Item | None = None  # the open (uncommitted) item
+        self.previous_item_id: str | None = None
+        self.vad: VADStream | None = None
+        self.turns: TurnDetector | None = None
+        self._vad_origin = 0
+        self._tasks: set[asyncio.Task] = set()  # committed items' completions
+        self._decodes: set[asyncio.Task] = set()  # final decodes and their emission, cancelled on close
+        self._interim: asyncio.Task | None = None
+        self._last_completion: asyncio.Task | None = None  # items complete in commit order
+        self._start_vad()
+
+    # --- client events --------------------------------------------------------------------
+
+    async def handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        handler = {
+            "session.update": self._update,
+            "input_audio_buffer.append": self._append,
+            "input_audio_buffer.commit": self._commit,
+            "input_audio_buffer.clear": self._clear,
+        }.get(kind)
+        if handler is None:
+            raise RealtimeError(f"unknown or unsupported event type {kind!r} in a transcription session", param="type",
+                                code="unknown_event_type")
+        await handler(event)
+
+    async def _update(self, event: dict[str, Any]) -> None:
+        config = self.config.updated(event.get("session"))
+        if (config.format, config.rate) != (self.config.format, self.config.rate):
+            self.decoder = InputAudioDecoder(config)
+        vad_changed = config.turn_detection != self.config.turn_detection
+        self.config = config
+        if vad_changed:
+            self._start_vad()
+        await self.send(server_event("session.updated", session=config.as_session(self.session_id)))
+
+    async def _append(self, event: dict[str, Any]) -> None:
+        samples = self.decoder.decode(event.get("audio"))
+        if self.item is not None and self.audio.end + len(samples) - self.item.start > self.options.max_buffer_s * SAMPLE_RATE:
+            raise RealtimeError(
+                f"the input audio buffer is full ({self.options.max_buffer_s:g} s uncommitted): commit or clear it",
+                param="audio", code="input_audio_buffer_full",
+            )
+        self.audio.append(samples)
+        if self.turns is None:
+            if self.item is None and len(samples):
+                self.item = self._new_item(self.audio.end - len(samples))
+        else:
+            probs = await self.run_vad(self.vad.push, samples)
+            first = self.vad.num_windows - len(probs)
+            for turn in self.turns.feed(probs, first):
+                await self._on_turn(turn)
+            if self.item is None:  # keep only what the next turn's prefix padding needs
+                padding = self.config.turn_detection.prefix_padding_ms * SAMPLE_RATE // 1000
+                self.audio.drop_before(self.audio.end - padding)
+        if self.item is not None and self.audio.end - self.item.segments[-1].start >= N_SAMPLES:
+            self._close_full_segment(self.item)
+        self._ensure_interim_loop()
+
+    async def _commit(self, event: dict[str, Any]) -> None:
+        item = self.item
+        if item is None or self.audio.end - item.start < MIN_COMMIT_SAMPLES:
+            raise RealtimeError(
+                "the input audio buffer holds less than 100 ms of audio to commit", code="input_audio_buffer_commit_empty",
+            )
+        if self.turns is not None:
+            self.turns = TurnDetector(self.turns.threshold, self.config.turn_detection.silence_duration_ms,
+                                      self.options.pause_ms)
+        await self._finish_item(item, self.audio.end)
+
+    async def _clear(self, event: dict[str, Any]) -> None:
+        if self.item is not None:
+            for segment in self.item.segments:
+                if segment.final is not None:
+                    segment.final.cancel()
+            self.item = None
+        self._cancel_interim()
+        self.audio.drop_before(self.audio.end)
+        self._start_vad()
+        await self.send(server_event("input_audio_buffer.cleared"))
+
+    # --- turns ----------------------------------------------------------------------------
+
+    def _start_vad(self) -> None:
+        detection = self.config.turn_detection
+        if detection is None:
+            self.vad = self.turns = None
+            return
+        self.vad = VADStream()
+        self.turns = TurnDetector(detection.threshold, detection.silence_duration_ms, self.options.pause_ms)
+        self._vad_origin = self.audio.end
+
+    async def _on_turn(self, turn: TurnEvent) -> None:
+        sample = self._vad_origin + turn.sample
+        if turn.kind == "start" and self.item is None:
+            padding = self.config.turn_detection.prefix_padding_ms * SAMPLE_RATE // 1000
+            self.item = self._new_item(max(self.audio.origin, sample - padding))
+            await self.send(server_event(
+                "input_audio_buffer.speech_started", audio_start_ms=_ms(self.item.start), item_id=self.item.item_id,
+            ))
+        elif self.item is None:
+            return
+        elif turn.kind == "pause":
+            self._start_final(self.item.segments[-1], self.audio.end)  # early: ready when the turn ends
+        elif turn.kind == "resume":
+            segment = self.item.segments[-1]
+            if segment.final is not None:
+                segment.final.cancel()
+                segment.final = None
+        elif turn.kind == "stop":
+            item = self.item
+            await self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=_ms(sample),
+                                         item_id=item.item_id))
+            await self._finish_item(item, sample)
+
+    def _new_item(self, start: int) -> Item:
+        return Item(new_id("item"), start, [Segment(start, decoded_until=start)], language=self.config.language)
+
+    # --- transcription ----------------------------------------------------------------------
+
+    async def _finish_item(self, item: Item, end: int) -> None:
+        """Commits the item: its last segment's final decode (started early, or now), then,
+        in the background, the rest of its text and `completed`."""
+        committed_at = time.monotonic()
+        self.item = None
+        self._cancel_interim()
+        segment = item.segments[-1]
+        if segment.final is None:
+            self._start_final(segment, max(end, segment.start + 1))
+        self._emit_final(item, segment)
+        await self.send(server_event("input_audio_buffer.committed", item_id=item.item_id,
+                                     previous_item_id=self.previous_item_id))
+        await self.send(server_event("conversation.item.added", previous_item_id=self.previous_item_id,
+                                     item=user_item(item.item_id, None, "in_progress")))
+        self.previous_item_id = item.item_id
+        self.audio.drop_before(end)
+        self._last_completion = self._spawn(self._complete(item, end, committed_at, self._last_completion))
+
+    def _close_full_segment(self, item: Item) -> None:
+        """The open segment has reached 30 s: cut it at its quietest point near the end and
+        start the next segment there."""
+        segment = item.segments[-1]
+        limit = segment.start + N_SAMPLES
+        search_start = limit - CUT_SEARCH_SAMPLES
+        cut = search_start + quietest_point(self.audio.slice(search_start, limit))
+        if segment.final is not None:  # an early final of a longer span: decode to the cut instead
+            segment.final.cancel()
+            segment.final = None
+        self._start_final(segment, cut)
+        self._emit_final(item, segment)
+        item.segments.append(Segment(cut, decoded_until=cut))
+        self.audio.drop_before(cut)
+
+    def _start_final(self, segment: Segment, end: int) -> None:
+        if segment.final is not None:
+            return
+        audio = self.audio.slice(segment.start, end)
+        segment.final_end = end
+        segment.final = self._track(live_decode.decode(
+            self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
+            live_decode.final_params(bool(segment.stable)),
+        ))
+
+    def _emit_final(self, item: Item, segment: Segment) -> None:
+        """Sends the segment's final text once the segments before it have sent theirs."""
+        index = item.segments.index(segment)
+        before = item.segments[index - 1].emitted if index else None
+
+        async def emit() -> None:
+            if before is not None:
+                await before
+            result: LiveDecode = await segment.final
+            if result.no_speech and not segment.stable:
+                return
+            await self._extend(item, segment, segment.stable + result.token_ids,
+                               segment.stable_logprobs + result.logprobs, result.language)
+
+        segment.emitted = self._track(emit())
+
+    async def _complete(self, item: Item, end: int, committed_at: float, before: asyncio.Task | None) -> None:
+        if before is not None:
+            await asyncio.wait({before})  # however it ended
+        try:
+            await item.segments[-1].emitted
+        except Exception as error:  # the engine died or refused: the item fails, the session goes on
+            await self.send(server_event(
+                "conversation.item.input_audio_transcription.failed", item_id=item.item_id, content_index=0,
+                error={"type": "server_error", "code": "transcription_failed", "message": str(error), "param": None},
+            ))
+            return
+        self.metrics.realtime_completed_latency.observe(time.monotonic() - committed_at)
+        completed = {"item_id": item.item_id, "content_index": 0, "transcript": item.sent,
+                     "usage": usage_duration((end - item.start) / SAMPLE_RATE)}
+        if self.config.include_logprobs:
+            completed["logprobs"] = item.logprobs
+        await self.send(server_event("conversation.item.input_audio_transcription.completed", **completed))
+        await self.send(server_event("conversation.item.done", previous_item_id=None,
+                                     item=user_item(item.item_id, item.sent, "completed")))
+
+    async def _extend(self, item: Item, segment: Segment, tokens: list[int], logprobs: list[float],
+                      language: str | None) -> None:
+        """The segment's text is now that of `tokens` (which begin with what was sent): sends
+        the difference as a delta."""
+        item.language = item.language or language
+        text = self.tokenizer.decode(tokens).strip()
+        assert text.startswith(segment.text), (text, segment.text)
+        delta = text[len(segment.text):]
+        new_tokens = tokens[len(segment.stable):]
+        new_logprobs = logprobs[len(segment.stable):]
+        segment.stable, segment.stable_logprobs, segment.text = list(tokens), list(logprobs), text
+        if not delta:
+            return
+        if len(segment.text) == len(delta) and item.sent:  # the segment's first words
+            delta = separator_for(item.language) + delta
+        item.sent += delta
+        event: dict[str, Any] = {"item_id": item.item_id, "content_index": 0, "delta": delta}
+        if self.config.include_logprobs:
+            entries = [self._logprob(token, logprob) for token, logprob in zip(new_tokens, new_logprobs)]
+            item.logprobs.extend(entries)
+            event["logprobs"] = entries
+        await self.send(server_event("conversation.item.input_audio_transcription.delta", **event))
+
+    def _logprob(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+
+    # --- interim decodes --------------------------------------------------------------------
+
+    def _ensure_interim_loop(self) -> None:
+        if self.options.interim_interval_s > 0 and (self._interim is None or self._interim.done()):
+            self._interim = asyncio.ensure_future(self._interim_loop())
+
+    def _cancel_interim(self) -> None:
+        if self._interim is not None:
+            self._interim.cancel()
+            self._interim = None
+
+    async def _interim_loop(self) -> None:
+        """Decodes the open segment every interim_interval_s (one decode at a time) while an
+        item is open; ends with it."""
+        while (item := self.item) is not None:
+            await asyncio.sleep(self.options.interim_interval_s)
+            if self.item is not item:
+                return
+            segment = item.segments[-1]
+            end = self.audio.end
+            if (segment.final is not None or end - segment.start < MIN_INTERIM_SAMPLES
+                    or end - segment.decoded_until < SAMPLE_RATE // 5
+                    or any(not s.emitted.done() for s in item.segments[:-1])):
+                continue  # a final runs, too little audio, too little new, or an earlier segment pending
+            segment.decoded_until = end
+            result = await live_decode.decode(
+                self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
+                self.config.prompt, segment.stable, live_decode.interim_params(),
+            )
+            if self.item is not item or item.segments[-1] is not segment or segment.final is not None:
+                continue
+            if result.no_speech:
+                segment.previous = None
+                continue
+            current = segment.stable + result.token_ids
+            logprobs = segment.stable_logprobs + result.logprobs
+            if segment.previous is not None:
+                times = None if result.token_times is None else [0.0] * len(segment.stable) + result.token_times
+                latest = (end - segment.start) / SAMPLE_RATE - live_decode.STABLE_MARGIN_S
+                stable = self.words.stable_length(segment.previous, current, len(segment.stable),
+                                                  item.language or result.language, times, latest)
+                if stable > len(segment.stable):
+                    await self._extend(item, segment, current[:stable], logprobs[:stable], result.language)
+            segment.previous = current
+
+    # --- life --------------------------------------------------------------------------------
+
+    def _track(self, work) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self._decodes.add(task)
+        task.add_done_callback(self._decodes.discard)
+        return task
+
+    def _spawn(self, work) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def close(self) -> None:
+        """The client left: every decode of this session stops (its engine requests are aborted)."""
+        self._cancel_interim()
+        for task in [*self._decodes, *self._tasks]:
+            task.cancel()
+
+
+def _ms(sample: int) -> int:
+    return sample * 1000 // SAMPLE_RATE

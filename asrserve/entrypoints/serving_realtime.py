@@ -1,0 +1,215 @@
+"""OpenAI's Realtime API for transcription: WS /v1/realtime?intent=transcription.
+
+The connection: authorize (the `Authorization: Bearer` header, or the
+`openai-insecure-api-key.<key>` subprotocol browsers send) → check the model and the session
+limit → session.created → client events in order, each answered or refused with an `error`
+event that names it (the session goes on). A client that sends nothing for
+--realtime-idle-timeout-s is told so and disconnected; a disconnect aborts the session's engine
+work. Decodes are ordinary engine requests marked interactive (served ahead of file work)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse
+
+from asrserve.engine.request_checks import check_language
+from asrserve.entrypoints.auth import authorize, is_allowed_key
+from asrserve.entrypoints.protocol import APIError
+from asrserve.entrypoints.realtime_protocol import RealtimeError, SessionConfig, new_id, server_event
+from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSession
+from asrserve.entrypoints.server_state import ServerState
+from asrserve.entrypoints.serving_models import check_model_name
+from asrserve.errors import InvalidRequestError
+
+logger = logging.getLogger("asrserve.realtime")
+
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+MAX_EVENT_BYTES = 15 * 1024 * 1024 * 4 // 3 + 1024  # OpenAI's 15 MiB of audio per append, in base64
+CLOSE_TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded
+CLOSE_POLICY = 1008
+
+
+class RealtimeState:
+    """What the realtime routes share: the live sessions and the live VAD's thread."""
+
+    def __init__(self, state: ServerState):
+        config = state.config
+        self.options = RealtimeOptions(
+            interim_interval_s=config.realtime_interim_interval_s, max_buffer_s=config.realtime_max_buffer_s,
+        )
+        self.num_sessions = 0
+        # One thread runs every session's VAD in order: appends are small and frequent, and a
+        # long upload in the preprocessing pool must not hold up a live turn's end.
+        self._vad_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="realtime-vad")
+        self._vad_thread.submit(_load_vad)  # now, not in the first live session's first turn
+
+    async def run_vad(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._vad_thread, function, *args)
+
+    def shutdown(self) -> None:
+        self._vad_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_vad() -> None:
+    from asrserve.audio.vad import get_vad
+
+    try:
+        get_vad()
+    except ImportError as error:  # turn detection is then refused per session, with this reason
+        logger.warning("live server VAD is unavailable: %s", error)
+
+
+def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
+    realtime = RealtimeState(state)
+
+    @app.websocket("/v1/realtime")
+    async def realtime_endpoint(websocket: WebSocket) -> None:
+        try:
+            subprotocol = _authorize(websocket, state)
+            _check_query(websocket, state)
+            state.check_ready()
+        except APIError as error:
+            await _deny(websocket, error)
+            return
+        await websocket.accept(subprotocol=subprotocol)
+        if realtime.num_sessions >= state.config.realtime_max_sessions:
+            await _send(websocket, RealtimeError(
+                f"this server holds {state.config.realtime_max_sessions} live sessions at most; retry shortly",
+                type="server_error", code="session_limit_reached",
+            ).event(None))
+            await websocket.close(CLOSE_TRY_AGAIN_LATER, "too many sessions")
+            return
+        realtime.num_sessions += 1
+        state.metrics.realtime_sessions.inc()
+        try:
+            await _run_session(websocket, state, realtime)
+        finally:
+            realtime.num_sessions -= 1
+            state.metrics.realtime_sessions.dec()
+
+    return realtime
+
+
+def _authorize(websocket: WebSocket, state: ServerState) -> str | None:
+    """Raises 401 unless a key is allowed; returns the subprotocol to accept."""
+    offered = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    keys = [p[len(KEY_SUBPROTOCOL):] for p in offered if p.startswith(KEY_SUBPROTOCOL)]
+    if not (keys and state.api_key_digests and any(is_allowed_key(key, state.api_key_digests) for key in keys)):
+        authorize(websocket.headers, state.api_key_digests)
+    # The browser demands that one offered subprotocol comes back; never echo the key.
+    return next((p for p in offered if not p.startswith(KEY_SUBPROTOCOL)), None)
+
+
+def _check_query(websocket: WebSocket, state: ServerState) -> None:
+    intent = websocket.query_params.get("intent")
+    if intent is not None and intent != "transcription":
+        raise APIError(400, f"intent {intent!r} is not available: this server runs transcription sessions "
+                       "(?intent=transcription)", param="intent")
+    check_model_name(websocket.query_params.get("model"), state)
+
+
+async def _deny(websocket: WebSocket, error: APIError) -> None:
+    """Refuses the handshake with an HTTP response in OpenAI's error shape (where the server
+    supports it), else closes it."""
+    try:
+        await websocket.send_denial_response(
+            JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+        )
+    except RuntimeError:
+        await websocket.close(CLOSE_POLICY, error.message[:120])
+
+
+async def _send(websocket: WebSocket, event: dict[str, Any]) -> None:
+    await websocket.send_text(json.dumps(event, ensure_ascii=False))
+
+
+async def _run_session(websocket: WebSocket, state: ServerState, realtime: RealtimeState) -> None:
+    send_lock = asyncio.Lock()
+    closed = False
+
+    async def send(event: dict[str, Any]) -> None:
+        nonlocal closed
+        if closed:
+            return
+        async with send_lock:
+            try:
+                await _send(websocket, event)
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                closed = True  # the receive loop sees the disconnect and ends the session
+
+    session_id = new_id("sess")
+    config = SessionConfig(model=websocket.query_params.get("model") or state.model_name)
+    session = RealtimeSession(session_id, config, realtime.options, state.engine, state.tokenizer, send,
+                              realtime.run_vad, state.metrics)
+    await send(server_event("session.created", session=config.as_session(session_id)))
+    idle_timeout = state.config.realtime_idle_timeout_s
+    try:
+        while True:
+            try:
+                message = await asyncio.wait_for(websocket.receive(), idle_timeout)
+            except asyncio.TimeoutError:
+                await send(RealtimeError(f"no event for {idle_timeout:g} s: the session is closed",
+                                         code="idle_timeout").event(None))
+                await websocket.close(1000, "idle timeout")
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            event_id = None
+            try:
+                event = _parse(message)
+                event_id = event.get("event_id")
+                if event.get("type") == "session.update":
+                    _check_session(event, state)
+                await session.handle(event)
+            except RealtimeError as error:
+                await send(error.event(event_id if isinstance(event_id, str) else None))
+    except WebSocketDisconnect:
+        return
+    finally:
+        closed = True
+        session.close()
+
+
+def _parse(message: dict[str, Any]) -> dict[str, Any]:
+    text = message.get("text")
+    if text is None:
+        raise RealtimeError("send events as JSON text frames, not binary", code="invalid_event")
+    if len(text) > MAX_EVENT_BYTES:
+        raise RealtimeError("an event may carry at most 15 MiB of audio", code="event_too_large")
+    try:
+        event = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RealtimeError(f"the event is not valid JSON: {error.msg}", code="invalid_json") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise RealtimeError("an event must be a JSON object with a string `type`", param="type",
+                            code="invalid_event")
+    return event
+
+
+def _check_session(event: dict[str, Any], state: ServerState) -> None:
+    """The model and language a session.update names, by the rules of the HTTP API."""
+    transcription = _field(event, "session", "audio", "input", "transcription")
+    param = "session.audio.input.transcription"
+    model, language = _field(transcription, "model"), _field(transcription, "language")
+    if isinstance(model, str):
+        try:
+            check_model_name(model, state)
+        except APIError as error:
+            raise RealtimeError(error.message, param=f"{param}.model", code="model_not_found") from None
+    if isinstance(language, str) and language:
+        try:
+            check_language(state.tokenizer, state.model_name, language, "transcribe")
+        except InvalidRequestError as error:
+            raise RealtimeError(str(error), param=f"{param}.language") from None
+
+
+def _field(value: Any, *path: str) -> Any:
+    for name in path:
+        value = value.get(name) if isinstance(value, dict) else None
+    return value

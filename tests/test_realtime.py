@@ -1,0 +1,325 @@
+"""Live transcription end to end: `asrserve serve` on tiny.en, driven by the official openai
+SDK's realtime client (and raw websockets where the SDK hides the handshake)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+import openai
+import pytest
+import soxr
+import websockets
+
+from tests.conftest import SENTENCES
+from tests.server_utils import ServerProcess
+from tests.wer import word_errors
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-live-test"
+MAX_SESSIONS = 5
+IDLE_TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess(
+        ["--api-key", API_KEY, "--served-model-name", "tiny.en", "whisper-1", "--dtype", "float32",
+         "--realtime-max-sessions", str(MAX_SESSIONS), "--realtime-idle-timeout-s", str(IDLE_TIMEOUT_S),
+         "--realtime-interim-interval-s", "0.3"]
+    )
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def pcm(samples: np.ndarray, rate: int = 24_000) -> bytes:
+    """16 kHz float audio as OpenAI's 16-bit little-endian PCM at `rate`."""
+    if rate != 16_000:
+        samples = soxr.resample(samples, 16_000, rate)
+    return (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(16_000 * seconds), np.float32)
+
+
+async def send_audio(connection, data: bytes, rate: int = 24_000, pace: float = 0.0, chunk_s: float = 0.1) -> None:
+    """Appends in chunk_s pieces; pace 1.0 sends them at real time, 0 as fast as possible."""
+    step = int(rate * chunk_s) * 2
+    for start in range(0, len(data), step):
+        await connection.input_audio_buffer.append(audio=base64.b64encode(data[start : start + step]).decode())
+        await asyncio.sleep(chunk_s * pace)
+
+
+async def collect(connection, completions: int, timeout: float = 60) -> list[dict]:
+    """Server events (as dicts) until `completions` transcripts have completed (and their items
+    are done)."""
+    events = []
+    async with asyncio.timeout(timeout):
+        async for event in connection:
+            events.append({**event.model_dump(exclude_none=False), "received": time.monotonic()})
+            if event.type == "conversation.item.done":
+                completions -= 1
+                if completions == 0:
+                    return events
+    raise AssertionError(f"the connection closed first: {events}")
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from asrserve.entrypoints.offline import ASR
+
+    return ASR(dtype="float32")
+
+
+def as_good_as_offline(offline, index: int, transcript: str, audio: np.ndarray, span_ms=None) -> bool:
+    """A live transcript has at most a fifth of the sentence's words (at least two) more wrong
+    than offline transcription of the same turn: the audio `span_ms` (where server VAD said
+    the turn starts and stops) of the 16 kHz stream sent. The same turn, not the clip: tiny.en
+    misreads espeak-ng a lot, and differently when the same speech starts 200 ms later."""
+    if span_ms is not None:
+        audio = audio[span_ms[0] * 16 : span_ms[1] * 16]
+    expected, words = word_errors(SENTENCES[index], offline.transcribe([audio])[0].text)
+    errors, _ = word_errors(SENTENCES[index], transcript)
+    return errors <= expected + max(2, words // 5)
+
+
+def spans(events: list[dict]) -> dict[str, tuple[int, int]]:
+    """Each server-VAD turn's [start, stop] in ms, by item id."""
+    started = {e["item_id"]: e["audio_start_ms"] for e in events if e["type"] == "input_audio_buffer.speech_started"}
+    return {e["item_id"]: (started[e["item_id"]], e["audio_end_ms"])
+            for e in events if e["type"] == "input_audio_buffer.speech_stopped"}
+
+
+def transcripts_with_spans(events: list[dict]) -> list[tuple[str, tuple[int, int]]]:
+    turns = spans(events)
+    return [(e["transcript"], turns[e["item_id"]]) for e in events
+            if e["type"] == "conversation.item.input_audio_transcription.completed"]
+
+
+def check_items(events: list[dict]) -> list[str]:
+    """Checks each item's event order and that its deltas join to its transcript; returns the
+    transcripts in completion order."""
+    transcripts = []
+    for done in (e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"):
+        item = done["item_id"]
+        mine = [e for e in events if e.get("item_id") == item or (e.get("item") or {}).get("id") == item]
+        kinds = [e["type"] for e in mine]
+        committed = kinds.index("input_audio_buffer.committed")
+        if "input_audio_buffer.speech_started" in kinds:
+            assert kinds.index("input_audio_buffer.speech_started") < kinds.index(
+                "input_audio_buffer.speech_stopped") < committed
+        deltas = [e["delta"] for e in mine if e["type"].endswith("transcription.delta")]
+        assert "".join(deltas) == done["transcript"], (deltas, done["transcript"])
+        assert done["usage"]["type"] == "duration" and done["usage"]["seconds"] > 0
+        assert kinds[-1] == "conversation.item.done"
+        transcripts.append(done["transcript"])
+    return transcripts
+
+
+def test_server_vad_two_utterances_with_a_pause(server, speech_audio, offline):
+    first, second = speech_audio[3], speech_audio[1]
+    audio = np.concatenate([silence(0.5), first, silence(1.2), second, silence(1.2)])
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            created = await connection.recv()
+            assert created.type == "session.created" and created.session.type == "transcription"
+            sender = asyncio.ensure_future(send_audio(connection, pcm(audio), pace=0.5))
+            events = await collect(connection, 2)
+            await sender
+            return events
+
+    events = asyncio.run(run())
+    assert len(check_items(events)) == 2
+    for index, (transcript, span) in zip((3, 1), transcripts_with_spans(events)):
+        assert as_good_as_offline(offline, index, transcript, audio, span), (transcript, span)
+    committed = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert committed[0]["previous_item_id"] is None and committed[1]["previous_item_id"] == committed[0]["item_id"]
+    started = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
+    stopped = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    assert 200 <= started[0]["audio_start_ms"] < 800  # after 0.5 s of silence, less 300 ms of padding
+    assert started[0]["audio_start_ms"] < stopped[0]["audio_end_ms"] < started[1]["audio_start_ms"]
+    latency = server.metrics()["asrserve_realtime_end_of_speech_to_completed_seconds_count"]
+    assert latency >= 2
+
+
+def test_text_arrives_while_the_person_speaks(server, speech_audio, offline):
+    """A 6 s sentence at real time: deltas come before the turn ends, not only after."""
+    audio = np.concatenate([silence(0.3), speech_audio[6], silence(1.0)])
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            sender = asyncio.ensure_future(send_audio(connection, pcm(audio), pace=1.0))
+            events = await collect(connection, 1)
+            await sender
+            return events
+
+    events = asyncio.run(run())
+    check_items(events)
+    [(transcript, span)] = transcripts_with_spans(events)
+    assert as_good_as_offline(offline, 6, transcript, audio, span), transcript
+    kinds = [e["type"] for e in events]
+    first_delta = kinds.index("conversation.item.input_audio_transcription.delta")
+    assert first_delta < kinds.index("input_audio_buffer.speech_stopped"), kinds
+
+
+def test_manual_commit_16_khz_with_logprobs(server, speech_audio, offline):
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            await connection.recv()  # session.created
+            await connection.session.update(session={
+                "type": "transcription",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None,
+                                    "transcription": {"model": "whisper-1", "language": "en"}}},
+                "include": ["item.input_audio_transcription.logprobs"],
+            })
+            updated = await connection.recv()
+            await connection.input_audio_buffer.commit(event_id="early")  # nothing to commit yet
+            refused = await connection.recv()
+            await send_audio(connection, pcm(speech_audio[1], 16_000), rate=16_000)
+            await connection.input_audio_buffer.commit()
+            return updated, refused, await collect(connection, 1)
+
+    updated, refused, events = asyncio.run(run())
+    assert updated.type == "session.updated"
+    session = updated.session.model_dump()
+    assert session["audio"]["input"]["turn_detection"] is None
+    assert session["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 16000}
+    assert refused.type == "error" and refused.error.code == "input_audio_buffer_commit_empty"
+    assert refused.error.event_id == "early"
+    assert "input_audio_buffer.speech_started" not in [e["type"] for e in events]
+    [transcript] = check_items(events)
+    assert as_good_as_offline(offline, 1, transcript, speech_audio[1]), transcript
+    done = next(e for e in events if e["type"].endswith("transcription.completed"))
+    logprobs = done["logprobs"]
+    assert len(logprobs) >= 8 and all(entry["logprob"] <= 0 for entry in logprobs)
+    assert "".join(entry["token"] for entry in logprobs).strip() == transcript
+
+
+def test_bad_events_get_errors_and_the_session_goes_on(server, speech_audio, offline):
+    stream = np.concatenate([silence(0.3), speech_audio[9], silence(1.2)])
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            await connection.recv()
+            audio = pcm(stream)
+            half = len(audio) // 2 // 2 * 2
+            await send_audio(connection, audio[:half])
+            await connection.send({"type": "input_audio_buffer.append", "audio": "%%% not base64", "event_id": "bad1"})
+            await connection.send({"type": "response.create", "event_id": "bad2"})
+            await connection.send({"type": "session.update", "event_id": "bad3",
+                                   "session": {"type": "transcription",
+                                               "audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}})
+            await connection.send({"type": "session.update", "event_id": "bad4",
+                                   "session": {"type": "transcription",
+                                               "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}})
+            await send_audio(connection, audio[half:])
+            return await collect(connection, 1)
+
+    events = asyncio.run(run())
+    errors = {e["error"]["event_id"]: e["error"] for e in events if e["type"] == "error"}
+    assert errors["bad1"]["code"] == "invalid_audio"
+    assert errors["bad2"]["code"] == "unknown_event_type"
+    assert errors["bad3"]["param"] == "session.audio.input.format.rate"
+    assert errors["bad4"]["code"] == "model_not_found"
+    check_items(events)
+    [(transcript, span)] = transcripts_with_spans(events)
+    assert as_good_as_offline(offline, 9, transcript, stream, span), transcript
+
+
+def test_four_sessions_at_once(server, speech_audio, offline):
+    clips = [1, 3, 6, 9]
+    streams = {index: np.concatenate([silence(0.3), speech_audio[index], silence(1.2)]) for index in clips}
+
+    async def one(index):
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            sender = asyncio.ensure_future(send_audio(connection, pcm(streams[index]), pace=0.5))
+            events = await collect(connection, 1, timeout=90)
+            await sender
+            check_items(events)
+            return transcripts_with_spans(events)[0]
+
+    async def run():
+        return await asyncio.gather(*(one(index) for index in clips))
+
+    for index, (transcript, span) in zip(clips, asyncio.run(run())):
+        assert as_good_as_offline(offline, index, transcript, streams[index], span), (index, transcript)
+
+
+def wait_for_idle_engine(server, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        if (metrics["asrserve_num_requests_running"] == 0 and metrics["asrserve_num_requests_waiting"] == 0
+                and metrics["asrserve_realtime_sessions"] == 0):
+            return metrics
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.2)
+
+
+def test_a_disconnect_mid_utterance_stops_its_engine_work(server, speech_audio):
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            long = np.concatenate([speech_audio[4], speech_audio[6], speech_audio[15]])
+            await send_audio(connection, pcm(long), pace=0.5)  # a long turn: interim decodes in flight
+            while server.metrics()["asrserve_num_requests_running"] == 0:
+                await asyncio.sleep(0.02)
+            # leave without committing while a decode runs; the context manager closes the socket
+
+    aborted = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
+    asyncio.run(run())
+    wait_for_idle_engine(server)
+    assert server.metrics()["asrserve_engine_requests_aborted_total"] > aborted
+
+
+def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
+    url = server.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
+
+    async def run():
+        with pytest.raises(websockets.exceptions.InvalidStatus) as denied:
+            async with websockets.connect(url):
+                pass
+        assert denied.value.response.status_code == 401
+        assert json.loads(denied.value.response.body)["error"]["code"] == "invalid_api_key"
+        with pytest.raises(websockets.exceptions.InvalidStatus) as wrong_model:
+            async with websockets.connect(url + "&model=gpt-realtime", additional_headers={"Authorization": f"Bearer {API_KEY}"}):
+                pass
+        assert wrong_model.value.response.status_code == 404
+        # a browser's key: the subprotocol, never echoed back
+        browser = await websockets.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{API_KEY}"])
+        connected = time.monotonic()
+        assert browser.subprotocol == "realtime"
+        sessions = [browser] + [
+            await websockets.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"})
+            for _ in range(MAX_SESSIONS - 1)
+        ]
+        for session in sessions:
+            assert json.loads(await session.recv())["type"] == "session.created"
+        extra = await websockets.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"})
+        refusal = json.loads(await extra.recv())
+        assert refusal["type"] == "error" and refusal["error"]["code"] == "session_limit_reached"
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+            await extra.recv()
+        assert closed.value.rcvd.code == 1013
+        for session in sessions[1:]:
+            await session.close()
+        # the idle one is told, then closed
+        idle = json.loads(await browser.recv())
+        assert idle["type"] == "error" and idle["error"]["code"] == "idle_timeout"
+        assert IDLE_TIMEOUT_S - 1 < time.monotonic() - connected < IDLE_TIMEOUT_S + 5
+        with pytest.raises(websockets.exceptions.ConnectionClosed):
+            await browser.recv()
+
+    asyncio.run(run())
+    wait_for_idle_engine(server)

@@ -1,0 +1,194 @@
+"""The pieces of live transcription without a server: the streaming VAD and turns, input audio
+formats, session.update validation, the stable-word rule, and the interactive class of the
+engine's waiting queue."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+
+import numpy as np
+import pytest
+
+from asrserve.audio.streaming_vad import TurnDetector, VADStream
+from asrserve.audio.vad import WINDOW, speech_probabilities
+from asrserve.engine.request import Request, SamplingParams
+from asrserve.engine.waiting_queue import WaitingQueue
+from asrserve.entrypoints.live_decode import WordBoundaries
+from asrserve.entrypoints.realtime_protocol import (
+    InputAudioDecoder,
+    RealtimeError,
+    ServerVAD,
+    SessionConfig,
+    _alaw_table,
+    _mulaw_table,
+)
+from tests.conftest import synthesize
+
+
+@pytest.fixture(scope="module")
+def spoken(tmp_path_factory) -> np.ndarray:
+    """Two sentences with a second of silence between them, 16 kHz."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed")
+    from asrserve.audio.decode import load_audio
+
+    directory = tmp_path_factory.mktemp("turns")
+    first = load_audio(synthesize("The birch canoe slid on the smooth planks.", directory / "a.wav"))
+    second = load_audio(synthesize("Glue the sheet to the dark blue background.", directory / "b.wav"))
+    silence = np.zeros(16_000, np.float32)
+    return np.concatenate([silence[:8000], first, silence, second, silence])
+
+
+def test_streaming_vad_equals_the_whole_recording_at_once(spoken):
+    expected = speech_probabilities(spoken)
+    stream, got = VADStream(), []
+    rng = np.random.default_rng(0)
+    position = 0
+    while position < len(spoken):  # appends of any size, down to a few samples
+        size = int(rng.integers(1, 3000))
+        got.append(stream.push(spoken[position : position + size]))
+        position += size
+    got = np.concatenate(got)
+    assert len(got) == len(spoken) // WINDOW == stream.num_windows
+    np.testing.assert_allclose(got, expected[: len(got)], atol=1e-5)
+
+
+def test_turns_of_two_sentences_with_a_pause(spoken):
+    probs = speech_probabilities(spoken)
+    events = TurnDetector(0.5, silence_duration_ms=500, pause_ms=200).feed(probs, 0)
+    kinds = [event.kind for event in events if event.kind in ("start", "stop")]
+    assert kinds == ["start", "stop", "start", "stop"]
+    starts = [event.sample for event in events if event.kind == "start"]
+    stops = [event.sample for event in events if event.kind == "stop"]
+    assert 0.3 * 16_000 < starts[0] < 0.8 * 16_000  # the first sentence starts after 0.5 s of silence
+    assert stops[0] < starts[1] < stops[1] <= len(spoken)
+    # every turn stop comes after a pause, which comes at least 200 ms of silence before it
+    for stop in stops:
+        pause = max(event.sample for event in events if event.kind == "pause" and event.sample < stop)
+        assert stop - pause >= 500 * 16
+
+
+def test_turn_detector_pause_resume_and_hysteresis():
+    detector = TurnDetector(0.5, silence_duration_ms=500, pause_ms=200)  # 16 and 6 windows
+    probs = [0.1, 0.9, 0.9, *[0.05] * 7, 0.9, *[0.4] * 30, *[0.05] * 16]
+    events = detector.feed(np.array(probs), 0)
+    assert [(e.kind, e.sample // WINDOW) for e in events] == [
+        ("start", 1), ("pause", 3), ("resume", 10),
+        # 0.4 is below threshold but above threshold - 0.15: not silence, the turn goes on
+        ("pause", 41), ("stop", 57),
+    ]
+    assert not detector.speaking
+
+
+def test_g711_tables_match_the_standard_decoder():
+    audioop = pytest.importorskip("audioop")  # gone from Python 3.13
+    codes = bytes(range(256))
+    np.testing.assert_array_equal(_mulaw_table(), np.frombuffer(audioop.ulaw2lin(codes, 2), "<i2"))
+    np.testing.assert_array_equal(_alaw_table(), np.frombuffer(audioop.alaw2lin(codes, 2), "<i2"))
+
+
+def test_input_audio_formats_decode_to_16_khz():
+    tone = np.sin(2 * np.pi * 440 * np.arange(24_000) / 24_000) * 0.5
+    pcm = (tone * 32767).astype("<i2").tobytes()
+    decoder = InputAudioDecoder(SessionConfig())  # OpenAI's default: 24 kHz PCM
+    out = np.concatenate([decoder.decode(base64.b64encode(pcm[i : i + 960]).decode()) for i in range(0, len(pcm), 960)])
+    assert 0 <= 16_000 - len(out) < 400  # the resampler holds back at most 25 ms (its filter delay)
+    assert abs(np.sqrt(np.mean(out[1000:15000] ** 2)) - 0.5 / np.sqrt(2)) < 0.01
+    direct = InputAudioDecoder(SessionConfig(rate=16_000)).decode(base64.b64encode(pcm).decode())
+    assert len(direct) == 24_000
+    ulaw_decoder = InputAudioDecoder(SessionConfig(format="audio/pcmu", rate=8000))
+    ulaw = np.concatenate([ulaw_decoder.decode(base64.b64encode(bytes(800)).decode()) for _ in range(5)])
+    assert 0 <= 8000 - len(ulaw) <= 1600  # 8 kHz in, 16 kHz out, at most 100 ms held back
+    for bad, code in (("not base64!", "invalid_audio"), (base64.b64encode(b"\x00\x01\x02").decode(), "invalid_audio")):
+        with pytest.raises(RealtimeError) as error:
+            decoder.decode(bad)
+        assert error.value.code == code and error.value.param == "audio"
+
+
+def test_session_update_merges_and_names_what_is_wrong():
+    config = SessionConfig(model="tiny.en")
+    updated = config.updated({
+        "type": "transcription",
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
+                            "transcription": {"language": "en", "prompt": "Stella"},
+                            "turn_detection": {"type": "server_vad", "silence_duration_ms": 300}}},
+        "include": ["item.input_audio_transcription.logprobs"],
+    })
+    assert (updated.rate, updated.language, updated.prompt, updated.model) == (16000, "en", "Stella", "tiny.en")
+    assert updated.turn_detection == ServerVAD(silence_duration_ms=300) and updated.include_logprobs
+    session = updated.as_session("sess_1")
+    assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 300
+    assert session["include"] == ["item.input_audio_transcription.logprobs"]
+    # only what an update names changes; null turns detection off
+    manual = updated.updated({"type": "transcription", "audio": {"input": {"turn_detection": None}}})
+    assert manual.turn_detection is None and manual.rate == 16000 and manual.language == "en"
+    wrong = [
+        ({"type": "realtime"}, "session.type"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}, "session.audio.input.format.rate"),
+        ({"audio": {"input": {"format": {"type": "audio/opus"}}}}, "session.audio.input.format.type"),
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
+        ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 2}}}},
+         "session.audio.input.turn_detection.threshold"),
+        ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+        ({"audio": {"input": {"speed": 2}}}, "session.audio.input.speed"),
+        ({"include": ["item.input_audio_transcription.words"]}, "session.include"),
+        ("transcription", "session"),
+    ]
+    for session, param in wrong:
+        with pytest.raises(RealtimeError) as error:
+            config.updated(session)
+        assert error.value.param == param, session
+
+
+class _Tokens:
+    """A tokenizer whose token i is the text of WORDS[i]."""
+
+    WORDS = [" the", " bir", "ch", " can", "oe", " slid", ".", " on"]
+
+    def decode(self, tokens):
+        return "".join(self.WORDS[t] for t in tokens)
+
+
+def test_a_word_is_stable_when_two_decodes_agree_past_it():
+    words = WordBoundaries(_Tokens())
+    # " the birch canoe slid" twice, then a different ending: " the birch canoe" is stable
+    previous, current = [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 7]
+    assert words.stable_length(previous, current, 0, "en") == 3  # " the birch"; " canoe" may go on
+    assert words.stable_length(previous, previous + [6], 0, "en") == 5  # up to " slid", which may still grow
+    assert words.stable_length([0, 3], [0, 1], 0, "en") == 0  # they disagree at once
+    assert words.stable_length(previous, current, 3, "en") == 3  # never less than what was sent
+
+
+def _request(name: str, interactive: bool) -> Request:
+    return Request(name, np.zeros(16_000, np.float32), [1], SamplingParams(), 10, interactive=interactive)
+
+
+def test_waiting_queue_serves_live_decodes_first_and_gives_file_work_its_share():
+    now = [0.0]
+    queue = WaitingQueue(batch_admit_interval_s=0.5, clock=lambda: now[0])
+    files = [_request(f"file{i}", False) for i in range(4)]
+    live = [_request(f"live{i}", True) for i in range(2)]
+    for request in (files[0], files[1], live[0], files[2], live[1], files[3]):
+        queue.append(request)
+    assert [r.request_id for r in queue] == ["live0", "live1", "file0", "file1", "file2", "file3"]
+    for expected in live:  # live decodes first, whatever is running
+        assert queue.next_admissible(interactive_running=False) is expected
+        queue.pop(expected)
+    # with live decodes running: one file request, then none until the interval has passed
+    assert queue.next_admissible(interactive_running=True) is files[0]
+    queue.pop(files[0])
+    assert queue.next_admissible(interactive_running=True) is None
+    now[0] = 0.49
+    assert queue.next_admissible(interactive_running=True) is None
+    now[0] = 0.5
+    assert queue.next_admissible(interactive_running=True) is files[1]
+    queue.pop(files[1])
+    # without live decodes, file requests go in as fast as they fit
+    assert queue.next_admissible(interactive_running=False) is files[2]
+    queue.pop(files[2])
+    assert queue.next_admissible(interactive_running=False) is files[3]
+    # a preempted request goes back to the front of its own class
+    queue.appendleft(files[2])
+    queue.append(live[0])
+    assert [r.request_id for r in queue] == ["live0", "file2", "file3"]
