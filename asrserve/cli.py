@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--realtime-interim-interval-s", type=float, default=0.5,
                       help="seconds between decodes of a growing utterance, whose stable words are sent as "
                       "deltas while the person speaks (0: text only once the utterance is committed)")
+    live.add_argument("--realtime-max-interim-decodes", type=int, default=None,
+                      help="interim decodes in flight across all sessions; a session skips its interim while "
+                      "they are taken, so final transcripts are not crowded out (default: one per two CPU cores)")
     live.add_argument("--realtime-idle-timeout-s", type=float, default=120.0,
                       help="a session that sends no event for this long is closed")
     live.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
@@ -280,6 +283,7 @@ def _serve(args: argparse.Namespace) -> int:
             realtime_max_sessions=args.realtime_max_sessions, realtime_idle_timeout_s=args.realtime_idle_timeout_s,
             realtime_max_buffer_s=args.realtime_max_buffer_s,
             realtime_interim_interval_s=args.realtime_interim_interval_s,
+            realtime_max_interim_decodes=args.realtime_max_interim_decodes,
         )
         engine_config = EngineConfig(
             model=ModelConfig(

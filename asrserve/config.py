@@ -171,6 +171,8 @@ class ServerConfig:
     realtime_idle_timeout_s: float = 120.0
     realtime_max_buffer_s: float = 300.0
     realtime_interim_interval_s: float = 0.5
+    # Interim decodes in flight across all sessions; None: one per two CPU cores.
+    realtime_max_interim_decodes: int | None = None
     log_level: str = "info"
     # One log line per HTTP request (uvicorn's access log); never includes headers or keys.
     access_log: bool = True

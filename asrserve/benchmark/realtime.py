@@ -50,8 +50,10 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
         assert json.loads(await ws.recv())["type"] == "session.created"
         utterance_starts: list[float] = []
         stopped: dict[str, float] = {}
+        items: list[str] = []  # turns server VAD found, in order
         first_delta: dict[str, float] = {}
         done = asyncio.Event()
+        sending_done = asyncio.Event()
 
         async def send() -> None:
             step = int(RATE * CHUNK_S) * 2
@@ -68,7 +70,6 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                         await asyncio.sleep(max(0.0, start + sent_s - time.monotonic()))  # real time
 
         async def receive() -> None:
-            items: list[str] = []
             async for message in ws:
                 event = json.loads(message)
                 kind, now = event["type"], time.monotonic()
@@ -86,14 +87,17 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                     index = items.index(item) if item in items else -1
                     if item in first_delta and 0 <= index < len(utterance_starts):
                         result.first_delta_s.append(first_delta[item] - utterance_starts[index])
-                    if len(result.transcripts) >= len(clips):
-                        done.set()
+                    if sending_done.is_set() and len(result.transcripts) >= len(items):
+                        done.set()  # every turn server VAD found has its transcript
                         return
                 elif kind == "error" or kind.endswith("transcription.failed"):
                     result.errors.append(json.dumps(event.get("error")))
 
         receiver = asyncio.ensure_future(receive())
         await send()
+        sending_done.set()
+        if len(result.transcripts) >= len(items):  # the last transcript came while the silence was sent
+            done.set()
         try:
             await asyncio.wait_for(done.wait(), timeout=60)
         except asyncio.TimeoutError:

@@ -301,11 +301,14 @@ class RealtimeSession:
                     or end - segment.decoded_until < SAMPLE_RATE // 5
                     or any(not s.emitted.done() for s in item.segments[:-1])):
                 continue  # a final runs, too little audio, too little new, or an earlier segment pending
+            if self.options.interim_slots.locked():
+                continue  # other sessions' interim decodes are using the engine's share
             segment.decoded_until = end
-            result = await live_decode.decode(
-                self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
-                self.config.prompt, segment.stable, live_decode.interim_params(),
-            )
+            async with self.options.interim_slots:
+                result = await live_decode.decode(
+                    self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
+                    self.config.prompt, segment.stable, live_decode.interim_params(),
+                )
             if self.item is not item or item.segments[-1] is not segment or segment.final is not None:
                 continue
             if result.no_speech:

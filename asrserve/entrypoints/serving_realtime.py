@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +43,7 @@ class RealtimeState:
         config = state.config
         self.options = RealtimeOptions(
             interim_interval_s=config.realtime_interim_interval_s, max_buffer_s=config.realtime_max_buffer_s,
+            interim_slots=asyncio.Semaphore(config.realtime_max_interim_decodes or max(1, (os.cpu_count() or 2) // 2)),
         )
         self.num_sessions = 0
         # One thread runs every session's VAD in order: appends are small and frequent, and a
