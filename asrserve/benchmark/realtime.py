@@ -105,10 +105,10 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
         receiver.cancel()
 
 
-async def run_streams(url: str, api_key: str | None, files: list[AudioFile], streams: int, gap_s: float) -> dict:
+async def run_streams(url: str, api_key: str | None, clips: list[bytes], streams: int, gap_s: float) -> dict:
+    """clips: the files as 24 kHz PCM (_pcm), decoded once for every level of the sweep."""
     ws_url = url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime?intent=transcription"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    clips = [_pcm(file) for file in files]
     results = [StreamResult() for _ in range(streams)]
     # Streams start 0.3 s apart, as people do not all start talking in the same instant.
     tasks = []
@@ -138,8 +138,9 @@ def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], ma
         level *= 2
     levels.append(max_streams)
     runs = []
+    clips = [_pcm(file) for file in files]
     for streams in levels:
-        run = asyncio.run(run_streams(url, api_key, files, streams, gap_s))
+        run = asyncio.run(run_streams(url, api_key, clips, streams, gap_s))
         runs.append(run)
         latency = run["end_of_speech_to_completed_ms"]
         log(f"{streams} streams: end of speech -> completed p50 {latency['p50']} ms, p99 {latency['p99']} ms; "

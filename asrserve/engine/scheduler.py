@@ -132,7 +132,8 @@ class Scheduler:
                 sibling = self._start_sibling(request)
                 output.scheduled.append(sibling)
         while (
-            (request := self.waiting.next_admissible(any(r.interactive for r in self.running))) is not None
+            self.waiting  # (the scan below is for admissions only, not every step)
+            and (request := self.waiting.next_admissible(any(r.interactive for r in self.running))) is not None
             and len(self.running) < self.config.max_num_seqs
             and len(output.encoder_requests) < self.config.max_encoder_batch
             and self.encoder_cache.num_free_slots > 0

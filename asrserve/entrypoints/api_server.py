@@ -23,7 +23,7 @@ from asrserve.entrypoints.error_handlers import add_error_handlers
 from asrserve.entrypoints.middleware import MetricsMiddleware
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
-from asrserve.entrypoints.serving_realtime import add_realtime_routes
+from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES, add_realtime_routes
 from asrserve.entrypoints.serving_transcription import add_transcription_routes
 
 logger = logging.getLogger("asrserve.server")
@@ -99,6 +99,9 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
             timeout_keep_alive=30, timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+            # Above the largest realtime event we answer (15 MiB of audio in base64), so that an
+            # oversized append gets an `error` event rather than a dropped connection.
+            ws_max_size=2 * MAX_EVENT_BYTES,
         )
     )
     state.uvicorn_server = server

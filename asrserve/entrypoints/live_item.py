@@ -32,7 +32,6 @@ class Segment:
     decoded_until: int = 0  # audio end of the last interim decode
     text: str = ""  # sent so far for this segment
     final: asyncio.Task | None = None  # the final decode, once started (maybe early)
-    final_end: int = 0  # the audio end it decodes to
     emitted: asyncio.Task | None = None  # its final text sent (in segment order)
 
 

@@ -56,8 +56,7 @@ class RealtimeSession:
         self.vad: VADStream | None = None
         self.turns: TurnDetector | None = None
         self._vad_origin = 0
-        self._tasks: set[asyncio.Task] = set()  # committed items' completions
-        self._decodes: set[asyncio.Task] = set()  # final decodes and their emission, cancelled on close
+        self._tasks: set[asyncio.Task] = set()  # final decodes, their emission, completions: cancelled on close
         self._interim: asyncio.Task | None = None
         self._last_completion: asyncio.Task | None = None  # items complete in commit order
         self._start_vad()
@@ -104,8 +103,7 @@ class RealtimeSession:
             for turn in self.turns.feed(probs, first):
                 await self._on_turn(turn)
             if self.item is None:  # keep only what the next turn's prefix padding needs
-                padding = self.config.turn_detection.prefix_padding_ms * SAMPLE_RATE // 1000
-                self.audio.drop_before(self.audio.end - padding)
+                self.audio.drop_before(self.audio.end - self._padding)
         if self.item is not None and self.audio.end - self.item.segments[-1].start >= N_SAMPLES:
             self._close_full_segment(self.item)
         self._ensure_interim_loop()
@@ -117,15 +115,15 @@ class RealtimeSession:
                 "the input audio buffer holds less than 100 ms of audio to commit", code="input_audio_buffer_commit_empty",
             )
         if self.turns is not None:
-            self.turns = TurnDetector(self.turns.threshold, self.config.turn_detection.silence_duration_ms,
-                                      self.options.pause_ms)
+            self.turns = self._turn_detector()  # the turn ends here, whatever VAD was hearing
         await self._finish_item(item, self.audio.end)
 
     async def _clear(self, event: dict[str, Any]) -> None:
-        if self.item is not None:
+        if self.item is not None:  # its decodes stop, and a closed segment's text is not sent after all
             for segment in self.item.segments:
-                if segment.final is not None:
-                    segment.final.cancel()
+                for task in (segment.final, segment.emitted):
+                    if task is not None:
+                        task.cancel()
             self.item = None
         self._cancel_interim()
         self.audio.drop_before(self.audio.end)
@@ -140,14 +138,22 @@ class RealtimeSession:
             self.vad = self.turns = None
             return
         self.vad = VADStream()
-        self.turns = TurnDetector(detection.threshold, detection.silence_duration_ms, self.options.pause_ms)
+        self.turns = self._turn_detector()
         self._vad_origin = self.audio.end
+
+    def _turn_detector(self) -> TurnDetector:
+        detection = self.config.turn_detection
+        return TurnDetector(detection.threshold, detection.silence_duration_ms, self.options.pause_ms)
+
+    @property
+    def _padding(self) -> int:
+        """Samples of prefix padding server VAD keeps before a turn's speech."""
+        return self.config.turn_detection.prefix_padding_ms * SAMPLE_RATE // 1000
 
     async def _on_turn(self, turn: TurnEvent) -> None:
         sample = self._vad_origin + turn.sample
         if turn.kind == "start" and self.item is None:
-            padding = self.config.turn_detection.prefix_padding_ms * SAMPLE_RATE // 1000
-            self.item = self._new_item(max(self.audio.origin, sample - padding))
+            self.item = self._new_item(max(self.audio.origin, sample - self._padding))
             await self.send(server_event(
                 "input_audio_buffer.speech_started", audio_start_ms=_ms(self.item.start), item_id=self.item.item_id,
             ))
@@ -208,8 +214,7 @@ class RealtimeSession:
         if segment.final is not None:
             return
         audio = self.audio.slice(segment.start, end)
-        segment.final_end = end
-        segment.final = self._track(live_decode.decode(
+        segment.final = self._spawn(live_decode.decode(
             self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
             live_decode.final_params(bool(segment.stable)),
         ))
@@ -228,7 +233,7 @@ class RealtimeSession:
             await self._extend(item, segment, segment.stable + result.token_ids,
                                segment.stable_logprobs + result.logprobs, result.language)
 
-        segment.emitted = self._track(emit())
+        segment.emitted = self._spawn(emit())
 
     async def _complete(self, item: Item, end: int, committed_at: float, before: asyncio.Task | None) -> None:
         if before is not None:
@@ -327,12 +332,6 @@ class RealtimeSession:
 
     # --- life --------------------------------------------------------------------------------
 
-    def _track(self, work) -> asyncio.Task:
-        task = asyncio.ensure_future(work)
-        self._decodes.add(task)
-        task.add_done_callback(self._decodes.discard)
-        return task
-
     def _spawn(self, work) -> asyncio.Task:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
@@ -342,7 +341,7 @@ class RealtimeSession:
     def close(self) -> None:
         """The client left: every decode of this session stops (its engine requests are aborted)."""
         self._cancel_interim()
-        for task in [*self._decodes, *self._tasks]:
+        for task in list(self._tasks):
             task.cancel()
 
 
