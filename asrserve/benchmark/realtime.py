@@ -6,7 +6,8 @@ utterance it measures:
 - end of speech -> completed: from the server's `speech_stopped` (the turn is over: the
   person has been silent for silence_duration_ms) to the transcript's `completed`;
 - time to first delta: from the first audio of the utterance sent to its first delta.
-Streams at 1, 2, 4, ... N at once: the most this machine holds with that p99 under 1 s."""
+Streams at 1, 2, 4, ... N at once: the most this machine holds with that p99 under 1 s. With a
+manifest, the WER of each stream's transcripts against its files' texts, next to the speed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from asrserve.audio.decode import load_audio
 from asrserve.benchmark.report import percentiles
+from asrserve.benchmark.wer import corpus_wer, english_normalizer
 from asrserve.benchmark.workload import AudioFile
 
 RATE = 24_000
@@ -105,22 +107,31 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
         receiver.cancel()
 
 
-async def run_streams(url: str, api_key: str | None, clips: list[bytes], streams: int, gap_s: float) -> dict:
-    """clips: the files as 24 kHz PCM (_pcm), decoded once for every level of the sweep."""
+async def run_streams(url: str, api_key: str | None, clips: list[bytes], streams: int, gap_s: float,
+                      references: list[str | None]) -> dict:
+    """clips: the files as 24 kHz PCM (_pcm), decoded once for every level of the sweep;
+    references: what each says, when the manifest gives it (then WER is reported)."""
     ws_url = url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime?intent=transcription"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = [StreamResult() for _ in range(streams)]
     # Streams start 0.3 s apart, as people do not all start talking in the same instant.
-    tasks = []
+    tasks, spoken = [], []
     for i, result in enumerate(results):
         rotated = clips[i % len(clips):] + clips[: i % len(clips)]
+        spoken.append(references[i % len(clips):] + references[: i % len(clips)])
         tasks.append(asyncio.ensure_future(_stream(ws_url, headers, rotated, gap_s, result)))
         await asyncio.sleep(0.3)
     await asyncio.gather(*tasks)
     latency = [x for r in results for x in r.completed_latency_s]
     first = [x for r in results for x in r.first_delta_s]
+    scored = {}
+    if all(reference is not None for reference in references):
+        # A stream's transcripts (turns, in order) against its files' texts (in the order played):
+        # server VAD may cut a file into several turns.
+        hypotheses = [" ".join(result.transcripts) for result in results]
+        scored = {"wer": round(corpus_wer([" ".join(r) for r in spoken], hypotheses, english_normalizer()), 4)}
     return {
-        "streams": streams,
+        "streams": streams, **scored,
         "utterances": len(latency),
         "end_of_speech_to_completed_ms": percentiles(latency, (50, 90, 99)),
         "time_to_first_delta_ms": percentiles(first, (50, 90, 99)),
@@ -140,11 +151,12 @@ def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], ma
     runs = []
     clips = [_pcm(file) for file in files]
     for streams in levels:
-        run = asyncio.run(run_streams(url, api_key, clips, streams, gap_s))
+        run = asyncio.run(run_streams(url, api_key, clips, streams, gap_s, [file.reference for file in files]))
         runs.append(run)
         latency = run["end_of_speech_to_completed_ms"]
         log(f"{streams} streams: end of speech -> completed p50 {latency['p50']} ms, p99 {latency['p99']} ms; "
-            f"first delta p50 {run['time_to_first_delta_ms']['p50']} ms; {len(run['errors'])} errors")
+            f"first delta p50 {run['time_to_first_delta_ms']['p50']} ms; "
+            f"{'WER ' + format(run['wer'] * 100, '.1f') + ' %; ' if 'wer' in run else ''}{len(run['errors'])} errors")
     held = [r["streams"] for r in runs if not r["errors"]
             and (r["end_of_speech_to_completed_ms"]["p99"] or float("inf")) < P99_TARGET_S * 1000]
     return {"runs": runs, "max_streams_p99_under_1s": max(held) if held else 0}
