@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a session that sends no event for this long is closed")
     live.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
                       help="longest uncommitted utterance; appends past it get an error event")
+    http.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True,
+                      help="serve the browser playground at /playground (transcribe a file, or the microphone "
+                      "live)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
@@ -283,7 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
             realtime_max_sessions=args.realtime_max_sessions, realtime_idle_timeout_s=args.realtime_idle_timeout_s,
             realtime_max_buffer_s=args.realtime_max_buffer_s,
             realtime_interim_interval_s=args.realtime_interim_interval_s,
-            realtime_max_interim_decodes=args.realtime_max_interim_decodes,
+            realtime_max_interim_decodes=args.realtime_max_interim_decodes, playground=args.playground,
         )
         engine_config = EngineConfig(
             model=ModelConfig(

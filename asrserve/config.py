@@ -173,6 +173,9 @@ class ServerConfig:
     realtime_interim_interval_s: float = 0.5
     # Interim decodes in flight across all sessions; None: one per two CPU cores.
     realtime_max_interim_decodes: int | None = None
+    # The browser playground at GET /playground (static pages that call the API with the
+    # visitor's own key); off, GET / still describes the server.
+    playground: bool = True
     log_level: str = "info"
     # One log line per HTTP request (uvicorn's access log); never includes headers or keys.
     access_log: bool = True

@@ -149,8 +149,41 @@ def test_bench_counts_failures_and_exits_nonzero_when_all_fail(server, workload,
     assert "401" in summary["first_errors"][0]
 
 
+@pytest.mark.slow
+def test_bench_realtime_streams_alone_and_beside_uploads(server, workload, tmp_path):
+    folder, manifest = workload
+    two = tmp_path / "two.tsv"  # two short files keep the real-time playing short
+    two.write_text("\n".join(manifest.read_text().splitlines()[:3]) + "\n")
+    result_path = tmp_path / "live.json"
+    run = bench(str(folder), "--manifest", str(two), "--url", server.url, "--api-key", API_KEY,
+                "--realtime", "1", "--realtime-uploads", "2", "--realtime-gap-s", "1.0", "--save-result", str(result_path))
+    assert run.returncode == 0, run.stderr
+    (alone,) = json.loads(result_path.read_text())["runs"]
+    beside = alone["with_uploads"]
+    for live in (alone, beside):
+        assert live["streams"] == 1 and live["utterances"] >= 2 and live["errors"] == []
+        latency = live["end_of_speech_to_completed_ms"]
+        assert 0 < latency["p50"] <= latency["p99"] <= latency["max"]
+        assert live["wer"] < 0.5
+    uploads = beside["uploads"]
+    assert uploads["concurrency"] == 2 and uploads["succeeded"] >= 2 and uploads["failed"] == 0
+    assert uploads["rtfx"] > 0 and uploads["wer"] < 0.5
+    ratio = beside["end_of_speech_to_completed_ms"]["p99"] / latency_p99(alone)
+    assert alone["p99_slowdown_with_uploads"] == pytest.approx(ratio, abs=0.01)
+    assert "most live streams with end of speech -> completed p99 under 1 s" in run.stdout
+    assert "beside 2 uploading clients" in run.stderr
+
+
+def latency_p99(run: dict) -> float:
+    return run["end_of_speech_to_completed_ms"]["p99"]
+
+
 def test_bench_usage_errors():
     run = bench("/nonexistent-folder", "--url", "http://127.0.0.1:9")
     assert run.returncode == 2 and "is not a folder" in run.stderr
     run = bench(".", "--sweep", "1,x")
     assert run.returncode == 2 and "--sweep" in run.stderr
+    run = bench(".", "--realtime-uploads", "2")
+    assert run.returncode == 2 and "needs --realtime" in run.stderr
+    run = bench(".", "--realtime", "0")
+    assert run.returncode == 2 and "--realtime takes" in run.stderr

@@ -31,6 +31,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         "time to first delta, and the most streams held with that p99 under 1 s")
     parser.add_argument("--realtime-gap-s", type=float, default=1.5,
                         help="silence after each file in a live stream (--realtime)")
+    parser.add_argument("--realtime-uploads", type=int, default=0, metavar="K",
+                        help="with --realtime: run each level again while K clients upload the files (with "
+                        "--response-format, --language, --field) for as long as the streams play; reports the "
+                        "live p99 slowdown and the uploads' RTFx")
     parser.add_argument("--endpoint", choices=["transcriptions", "translations"], default="transcriptions")
     parser.add_argument("--language", default=None, help="language to send with each transcription")
     parser.add_argument("--field", action="append", default=[], metavar="NAME=VALUE",

@@ -34,7 +34,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     total_audio = sum(f.duration_s for f in files)
     if args.realtime:
-        return _run_realtime(args, files, model)
+        return _run_realtime(args, files, model, fields)
     print(f"{len(files)} files, {total_audio:.1f} s of audio; {args.url}, model {model}"
           f"{', streaming' if args.stream else ''}", file=sys.stderr)
 
@@ -93,8 +93,14 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if any(s["succeeded"] for s in summaries) else 1
 
 
-def _run_realtime(args: argparse.Namespace, files, model: str) -> int:
+def _run_realtime(args: argparse.Namespace, files, model: str, fields: list[tuple[str, str]]) -> int:
     from asrserve.benchmark.realtime import run_realtime_sweep
+
+    uploads = LoadSpec(
+        url=args.url.rstrip("/"), model=model, concurrency=args.realtime_uploads, duration_s=0.0,
+        language=args.language, response_format=args.response_format, api_key=args.api_key,
+        timeout_s=args.timeout, progress=False, fields=tuple(fields),
+    ) if args.realtime_uploads > 0 else None
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -102,7 +108,7 @@ def _run_realtime(args: argparse.Namespace, files, model: str) -> int:
     log(f"{len(files)} files, {sum(f.duration_s for f in files):.1f} s of audio per stream; {args.url}, model {model}, "
         f"up to {args.realtime} live streams")
     try:
-        result = run_realtime_sweep(args.url, args.api_key, files, args.realtime, args.realtime_gap_s, log)
+        result = run_realtime_sweep(args.url, args.api_key, files, args.realtime, args.realtime_gap_s, log, uploads)
     except KeyboardInterrupt:
         log("asrserve bench: interrupted")
         return 130
@@ -131,6 +137,10 @@ def _concurrencies(args: argparse.Namespace) -> list[int]:
         raise ValueError("--num-requests must be at least 1")
     if args.duration is not None and args.duration <= 0:
         raise ValueError("--duration must be positive")
+    if args.realtime is not None and args.realtime < 1:
+        raise ValueError("--realtime takes the most live streams, at least 1")
+    if args.realtime_uploads < 0 or (args.realtime_uploads and not args.realtime):
+        raise ValueError("--realtime-uploads takes a number of uploading clients, and needs --realtime")
     return values
 
 

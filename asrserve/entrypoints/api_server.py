@@ -3,7 +3,7 @@ drain on SIGTERM, exit when the engine dies). The event loop only parses, routes
 uploads are decoded in the preprocessing pool and transcribed by the engine process.
 
 Each API is a serving module that adds its routes to the app (serving_transcription,
-serving_realtime, serving_models); a new API is one more module and one more line below."""
+serving_realtime, serving_models, serving_playground); a new API is one more module and one more line below."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from asrserve.entrypoints.error_handlers import add_error_handlers
 from asrserve.entrypoints.middleware import MetricsMiddleware
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
+from asrserve.entrypoints.serving_playground import add_page_routes
 from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES, add_realtime_routes
 from asrserve.entrypoints.serving_transcription import add_transcription_routes
 
@@ -52,6 +53,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     add_models_routes(app, state)
     add_transcription_routes(app, state)
     realtime = add_realtime_routes(app, state)
+    add_page_routes(app, state)
     return app
 
 

@@ -1,0 +1,322 @@
+// The asrserve playground: calls this server's public API the way any client does.
+// Plain browser JavaScript, no build step and nothing loaded from elsewhere.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const LIVE_RATE = 24000; // OpenAI's audio/pcm rate; the server also takes 16 kHz
+const KEY_STORAGE = "asrserve-playground-api-key";
+
+function setStatus(id, text, isError = false) {
+  const element = $(id);
+  element.textContent = text;
+  element.classList.toggle("error", isError);
+}
+
+function apiKey() {
+  return $("api-key").value.trim();
+}
+
+function authHeaders() {
+  const key = apiKey();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+// OpenAI's error shape: {"error": {"message": ...}}
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return `${response.status}: ${body.error.message}`;
+  } catch {
+    return `${response.status} ${response.statusText}`;
+  }
+}
+
+async function loadModels() {
+  const select = $("model");
+  const response = await fetch("/v1/models", { headers: authHeaders() });
+  if (!response.ok) {
+    setStatus("server-status", `models: ${await errorMessage(response)}`, true);
+    return;
+  }
+  const { data } = await response.json();
+  const chosen = select.value;
+  select.replaceChildren(...data.map((model) => new Option(model.id, model.id)));
+  if (data.some((model) => model.id === chosen)) select.value = chosen;
+  const ready = data.every((model) => model.ready);
+  setStatus("server-status", ready ? "ready" : "loading the model…");
+  if (!ready) setTimeout(loadModels, 1000);
+}
+
+// --- a file: verbose_json with segment and word timestamps ------------------------------
+
+function seconds(value) {
+  return value.toFixed(2);
+}
+
+function playFrom(start) {
+  const player = $("player");
+  player.currentTime = start;
+  player.play().catch(() => {}); // the browser may refuse to play without a gesture; seeking still shows where
+}
+
+function wordElement(word) {
+  const span = document.createElement("span");
+  span.className = "word";
+  span.dataset.start = word.start;
+  span.dataset.end = word.end;
+  span.title = `${seconds(word.start)}–${seconds(word.end)} s`;
+  span.append(word.word.trim(), Object.assign(document.createElement("small"), { textContent: seconds(word.start) }));
+  span.addEventListener("click", () => playFrom(word.start));
+  return span;
+}
+
+// Words are listed beside the segments (OpenAI's verbose_json): each goes to the segment its
+// middle falls in.
+function segmentRows(segments, words) {
+  return segments.map((segment, index) => {
+    const row = document.createElement("tr");
+    const start = Object.assign(document.createElement("td"), { className: "time", textContent: seconds(segment.start) });
+    const end = Object.assign(document.createElement("td"), { className: "time", textContent: seconds(segment.end) });
+    start.addEventListener("click", () => playFrom(segment.start));
+    const text = document.createElement("td");
+    const last = index === segments.length - 1;
+    const inside = words.filter((word) => {
+      const middle = (word.start + word.end) / 2;
+      return middle >= segment.start && (middle < segment.end || last);
+    });
+    if (inside.length > 0) text.append(...inside.flatMap((word) => [wordElement(word), " "])); // spaces: lines wrap
+    else text.textContent = segment.text;
+    row.append(start, end, text);
+    return row;
+  });
+}
+
+async function transcribeFile() {
+  const file = $("file").files[0];
+  if (!file) {
+    setStatus("upload-status", "choose a file first", true);
+    return;
+  }
+  const form = new FormData();
+  form.append("file", file);
+  form.append("model", $("model").value);
+  form.append("response_format", "verbose_json");
+  form.append("timestamp_granularities[]", "segment");
+  form.append("timestamp_granularities[]", "word");
+  const language = $("language").value.trim();
+  if (language) form.append("language", language);
+
+  const player = $("player");
+  if (player.src) URL.revokeObjectURL(player.src);
+  player.src = URL.createObjectURL(file);
+  player.hidden = false;
+  $("upload-text").textContent = "";
+  $("segments").hidden = true;
+  $("transcribe").disabled = true;
+  setStatus("upload-status", "transcribing…");
+  const started = performance.now();
+  try {
+    const response = await fetch("/v1/audio/transcriptions", { method: "POST", headers: authHeaders(), body: form });
+    if (!response.ok) {
+      setStatus("upload-status", await errorMessage(response), true);
+      return;
+    }
+    const result = await response.json();
+    const elapsed = (performance.now() - started) / 1000;
+    $("upload-text").textContent = result.text;
+    $("segments").tBodies[0].replaceChildren(...segmentRows(result.segments || [], result.words || []));
+    $("segments").hidden = false;
+    setStatus("upload-status", `${result.duration.toFixed(1)} s of ${result.language} in ${elapsed.toFixed(2)} s`);
+  } catch (error) {
+    setStatus("upload-status", `failed: ${error.message}`, true);
+  } finally {
+    $("transcribe").disabled = false;
+  }
+}
+
+// --- live: the microphone over WS /v1/realtime ----------------------------------------
+
+let live = null; // the running session: {socket, stream, context, pending, stopping}
+
+function base64(buffer) {
+  const bytes = new Uint8Array(buffer);
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}
+
+function liveItem(itemId) {
+  let item = document.getElementById(`item-${itemId}`);
+  if (!item) {
+    item = document.createElement("li");
+    item.id = `item-${itemId}`;
+    item.append(Object.assign(document.createElement("span"), { className: "text" }));
+    $("live-items").append(item);
+  }
+  return item;
+}
+
+function onLiveEvent(session, event) {
+  const item = event.item_id ? liveItem(event.item_id) : null;
+  switch (event.type) {
+    case "session.updated":
+      setStatus("live-status", "listening: speak");
+      break;
+    case "input_audio_buffer.speech_started":
+      item.className = "speaking";
+      item.dataset.startMs = event.audio_start_ms;
+      break;
+    case "input_audio_buffer.speech_stopped":
+      item.dataset.endMs = event.audio_end_ms;
+      item.dataset.stoppedAt = performance.now();
+      break;
+    case "input_audio_buffer.committed":
+      session.pending.add(event.item_id);
+      break;
+    case "conversation.item.input_audio_transcription.delta":
+      item.querySelector(".text").textContent += event.delta;
+      break;
+    case "conversation.item.input_audio_transcription.completed": {
+      item.className = "final";
+      item.querySelector(".text").textContent = event.transcript; // equals the deltas joined
+      if (item.dataset.stoppedAt) {
+        // where server VAD heard the turn in the stream, and how long its transcript took after
+        const span = `${seconds(item.dataset.startMs / 1000)}–${seconds(item.dataset.endMs / 1000)} s`;
+        const latency = Math.round(performance.now() - Number(item.dataset.stoppedAt));
+        item.append(Object.assign(document.createElement("small"), { textContent: `  ${span}, ${latency} ms` }));
+      }
+      session.pending.delete(event.item_id);
+      break;
+    }
+    case "conversation.item.input_audio_transcription.failed":
+      item.className = "failed";
+      item.querySelector(".text").textContent = `failed: ${event.error.message}`;
+      session.pending.delete(event.item_id);
+      break;
+    case "error":
+      // Stopping commits whatever is buffered; with nothing there, the server says so. Not news.
+      if (!(session.stopping && event.error.code === "input_audio_buffer_commit_empty")) {
+        setStatus("live-status", event.error.message, true);
+      }
+      break;
+  }
+  if (session.stopping && session.pending.size === 0) session.socket.close(1000);
+}
+
+async function startCapture(session) {
+  session.stream = await navigator.mediaDevices.getUserMedia({
+    // Whisper was trained on unprocessed audio: no echo cancelling, denoising or gain riding.
+    audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
+  });
+  let source;
+  try {
+    session.context = new AudioContext({ sampleRate: LIVE_RATE }); // the browser resamples the microphone
+    source = session.context.createMediaStreamSource(session.stream);
+  } catch {
+    // Browsers that cannot mix rates: capture at the microphone's own, the worklet resamples.
+    if (session.context) session.context.close();
+    session.context = new AudioContext();
+    source = session.context.createMediaStreamSource(session.stream);
+  }
+  await session.context.audioWorklet.addModule("/playground/pcm-worklet.js");
+  const capture = new AudioWorkletNode(session.context, "pcm16-capture", {
+    processorOptions: { targetRate: LIVE_RATE },
+  });
+  capture.port.onmessage = ({ data }) => {
+    if (session.socket.readyState === WebSocket.OPEN && !session.stopping) {
+      session.socket.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(data) }));
+    }
+  };
+  source.connect(capture);
+  capture.connect(session.context.destination); // silent: it writes no output, but is pulled
+  await session.context.resume();
+}
+
+function stopCapture(session) {
+  if (session.stream) session.stream.getTracks().forEach((track) => track.stop());
+  if (session.context) session.context.close();
+}
+
+async function startLive() {
+  const protocols = ["realtime"];
+  if (apiKey()) protocols.push(`openai-insecure-api-key.${apiKey()}`);
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  const socket = new WebSocket(`${scheme}://${location.host}/v1/realtime?intent=transcription`, protocols);
+  const session = { socket, stream: null, context: null, pending: new Set(), stopping: false };
+  live = session;
+  $("live").textContent = "Stop";
+  setStatus("live-status", "connecting…");
+  socket.onmessage = (message) => onLiveEvent(session, JSON.parse(message.data));
+  socket.onclose = (event) => {
+    stopCapture(session);
+    if (live === session) endLive();
+    if (!session.stopping) {
+      // A refused handshake shows as 1006 with no reason: a wrong key or model, or the server is busy.
+      const why = event.reason || (event.code === 1006 ? "refused or lost (is the API key right?)" : `code ${event.code}`);
+      setStatus("live-status", `connection closed: ${why}`, true);
+    } else {
+      setStatus("live-status", "stopped");
+    }
+  };
+  await new Promise((resolve, reject) => {
+    socket.onopen = resolve;
+    socket.onerror = () => reject(new Error("could not connect"));
+  });
+  const transcription = { model: $("model").value };
+  const language = $("language").value.trim();
+  if (language) transcription.language = language;
+  socket.send(JSON.stringify({
+    type: "session.update",
+    session: {
+      type: "transcription",
+      audio: {
+        input: {
+          format: { type: "audio/pcm", rate: LIVE_RATE },
+          transcription,
+          turn_detection: { type: "server_vad" },
+        },
+      },
+    },
+  }));
+  try {
+    await startCapture(session);
+  } catch (error) {
+    setStatus("live-status", `microphone: ${error.message}`, true);
+    session.stopping = true;
+    socket.close(1000);
+  }
+}
+
+// Stop: the microphone stops at once; what was said last is committed and its transcript
+// still arrives before the socket closes.
+function stopLive() {
+  const session = live;
+  session.stopping = true;
+  stopCapture(session);
+  if (session.socket.readyState !== WebSocket.OPEN) return;
+  session.socket.send(JSON.stringify({ type: "input_audio_buffer.commit" }));
+  setStatus("live-status", "finishing…");
+  setTimeout(() => session.socket.close(1000), 15000); // do not wait for ever
+}
+
+function endLive() {
+  live = null;
+  $("live").textContent = "Live";
+}
+
+function toggleLive() {
+  if (live) stopLive();
+  else startLive().catch((error) => {
+    setStatus("live-status", error.message, true);
+    endLive();
+  });
+}
+
+$("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
+$("api-key").addEventListener("change", () => {
+  localStorage.setItem(KEY_STORAGE, apiKey());
+  loadModels();
+});
+$("transcribe").addEventListener("click", transcribeFile);
+$("live").addEventListener("click", toggleLive);
+loadModels().catch((error) => setStatus("server-status", error.message, true));

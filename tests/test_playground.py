@@ -1,0 +1,182 @@
+"""The browser pages: GET / and the playground's files (no engine needed), then the playground
+end to end in a real headless Chromium against `asrserve serve` on tiny.en: a file uploaded
+through the page, and the fake microphone transcribed live through /v1/realtime."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import soundfile
+import soxr
+from fastapi.testclient import TestClient
+
+from asrserve.config import EngineConfig, ServerConfig
+from asrserve.entrypoints.api_server import build_app
+from tests.browser import Browser, find_chromium
+from tests.conftest import SENTENCES
+from tests.server_utils import ServerProcess
+from tests.wer import word_errors
+
+API_KEY = "sk-playground"
+
+
+def pages(**config) -> TestClient:
+    return TestClient(build_app(ServerConfig(**config), EngineConfig()))  # no lifespan: no engine
+
+
+def test_index_links_the_playground_and_the_playground_loads_only_its_own_files():
+    client = pages(served_model_names=["tiny.en", "<b>"])
+    index = client.get("/")
+    assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+    assert 'href="/playground"' in index.text and "&lt;b&gt;" in index.text  # names are escaped
+
+    page = client.get("/playground")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    referenced = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert "/playground/playground.js" in referenced
+    for url in referenced:
+        assert url.startswith("/"), f"{url}: the page must not load anything from elsewhere"
+        assert client.get(url).status_code == 200, url
+    script = client.get("/playground/playground.js").text
+    assert "/playground/pcm-worklet.js" in script and "/v1/realtime?intent=transcription" in script
+    assert re.findall(r"https?://", script) == []
+    assert client.get("/playground/pcm-worklet.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/playground/playground.css").headers["content-type"].startswith("text/css")
+
+    missing = client.get("/playground/missing.js")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert client.get("/playground/..%2Fserving_playground.py").status_code == 404
+
+
+def test_the_playground_can_be_turned_off():
+    client = pages(playground=False)
+    assert client.get("/").status_code == 200 and "/playground" not in client.get("/").text
+    assert client.get("/playground").status_code == 404
+    assert client.get("/playground/playground.js").status_code == 404
+
+
+# --- a real browser -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return executable
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess(["--api-key", API_KEY, "--dtype", "float32", "--realtime-interim-interval-s", "0.3"])
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(16_000 * seconds), np.float32)
+
+
+def speech_wav(path, audio: np.ndarray) -> None:
+    """16 kHz float audio as a 48 kHz 16-bit wav: what a microphone delivers."""
+    soundfile.write(path, soxr.resample(audio, 16_000, 48_000), 48_000, subtype="PCM_16")
+
+
+def open_playground(browser: Browser, server) -> None:
+    browser.open(f"{server.url}/")
+    browser.evaluate("document.querySelector('a[href=\"/playground\"]').click()")  # the index links it
+    browser.wait_for("location.pathname === '/playground' && document.readyState === 'complete'")
+    browser.evaluate(f"""(() => {{ const key = document.getElementById('api-key');
+        key.value = {API_KEY!r}; key.dispatchEvent(new Event('change')); }})()""")
+    browser.wait_for("document.getElementById('server-status').textContent === 'ready'")
+
+
+def close_enough(reference: str, shown: str, offline_text: str) -> bool:
+    """At most a fifth of the reference's words (at least two) more wrong than the API's own
+    transcription of the same audio (tiny.en misreads espeak-ng somewhat)."""
+    expected, words = word_errors(reference, offline_text)
+    errors, _ = word_errors(reference, shown)
+    return errors <= expected + max(2, words // 5)
+
+
+@pytest.mark.slow
+def test_a_file_uploaded_in_the_playground_shows_its_transcript_segments_and_word_times(
+    chromium, server, speech_audio, tmp_path
+):
+    path = tmp_path / "two sentences.wav"
+    speech_wav(path, np.concatenate([speech_audio[1], silence(1.0), speech_audio[3]]))
+    reference = f"{SENTENCES[1]} {SENTENCES[3]}"
+    browser = Browser(chromium)
+    try:
+        open_playground(browser, server)
+        browser.set_files("#file", path)
+        browser.evaluate("document.getElementById('transcribe').click()")
+        browser.wait_for("document.getElementById('upload-status').textContent.includes(' in ')", timeout=60)
+        shown = browser.evaluate("""({
+            text: document.getElementById('upload-text').textContent,
+            segments: document.querySelectorAll('#segments tbody tr').length,
+            words: [...document.querySelectorAll('#segments .word')].map((w) => [
+                w.firstChild.textContent, Number(w.dataset.start), Number(w.dataset.end)]),
+            status: document.getElementById('upload-status').textContent,
+        })""")
+    finally:
+        browser.close()
+
+    api = _transcribe(server, path)
+    assert shown["text"] == api["text"], "the page shows what the API returned"
+    assert close_enough(reference, shown["text"], api["text"]), shown
+    assert shown["segments"] == len(api["segments"]) >= 1
+    assert [word for word, _, _ in shown["words"]] == [w["word"].strip() for w in api["words"]]
+    starts = [start for _, start, _ in shown["words"]]
+    assert starts == sorted(starts) and all(0 <= s <= e <= api["duration"] + 0.01 for _, s, e in shown["words"])
+    assert shown["status"].startswith(f"{api['duration']:.1f} s of {api['language']} in ")
+
+
+def _transcribe(server, path) -> dict:
+    import httpx
+
+    with open(path, "rb") as f:
+        response = httpx.post(
+            f"{server.url}/v1/audio/transcriptions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+            files={"file": (path.name, f)},
+            data={"response_format": "verbose_json", "timestamp_granularities[]": ["segment", "word"]},
+        )
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.slow
+def test_the_playground_transcribes_the_microphone_live(chromium, server, speech_audio, tmp_path):
+    # two sentences tiny.en reads right from espeak-ng wherever they start and however resampled
+    first, second = 5, 15
+    audio = np.concatenate([silence(0.7), speech_audio[first], silence(1.5), speech_audio[second], silence(2.0)])
+    path = tmp_path / "microphone.wav"
+    speech_wav(path, audio)
+    browser = Browser(chromium, microphone=path)
+    try:
+        open_playground(browser, server)
+        browser.evaluate("document.getElementById('live').click()")
+        browser.wait_for("document.getElementById('live-status').textContent === 'listening: speak'")
+        # the fake microphone plays the file once at real time (about 14 s), then silence
+        items = browser.wait_for("""(() => {
+            const done = [...document.querySelectorAll('#live-items li.final')];
+            return done.length >= 2 && done.map((item) => [item.querySelector('.text').textContent,
+                Number(item.dataset.startMs), Number(item.dataset.endMs)]); })()""", timeout=60)
+        browser.evaluate("document.getElementById('live').click()")  # Stop
+        browser.wait_for("document.getElementById('live').textContent === 'Live'")
+        status, failed = browser.evaluate("""[document.getElementById('live-status').textContent,
+            document.querySelectorAll('#live-items li.failed').length]""")
+    finally:
+        browser.close()
+
+    assert len(items) == 2 and failed == 0 and status == "stopped", (items, status)
+    for (text, start_ms, end_ms), index in zip(items, (first, second)):
+        # the API's own transcription of the turn server VAD heard (as the browser's clock placed it)
+        turn = tmp_path / f"turn{index}.wav"
+        speech_wav(turn, audio[start_ms * 16 : end_ms * 16])
+        assert close_enough(SENTENCES[index], text, _transcribe(server, turn)["text"]), (items, index)
