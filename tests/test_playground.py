@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import httpx
 import numpy as np
 import pytest
 import soundfile
@@ -138,8 +139,6 @@ def test_a_file_uploaded_in_the_playground_shows_its_transcript_segments_and_wor
 
 
 def _transcribe(server, path) -> dict:
-    import httpx
-
     with open(path, "rb") as f:
         response = httpx.post(
             f"{server.url}/v1/audio/transcriptions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,

@@ -33,10 +33,6 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"asrserve bench: error: {error}", file=sys.stderr)
         return 2
     total_audio = sum(f.duration_s for f in files)
-    if args.realtime:
-        return _run_realtime(args, files, model, fields)
-    print(f"{len(files)} files, {total_audio:.1f} s of audio; {args.url}, model {model}"
-          f"{', streaming' if args.stream else ''}", file=sys.stderr)
 
     def spec(concurrency: int, **overrides) -> LoadSpec:
         amount = {"duration_s": args.duration} if args.duration else {
@@ -48,6 +44,12 @@ def run_bench(args: argparse.Namespace) -> int:
             progress=args.progress, fields=tuple(fields),
         )
         return LoadSpec(**(settings | amount | overrides))
+
+    if args.realtime:  # uploads beside the live streams send what a file run would
+        uploads = spec(args.realtime_uploads, num_requests=None, progress=False) if args.realtime_uploads else None
+        return _run_realtime(args, files, model, uploads)
+    print(f"{len(files)} files, {total_audio:.1f} s of audio; {args.url}, model {model}"
+          f"{', streaming' if args.stream else ''}", file=sys.stderr)
 
     warmup = args.warmup if args.warmup is not None else min(len(files), 8)
     summaries = []
@@ -93,14 +95,8 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if any(s["succeeded"] for s in summaries) else 1
 
 
-def _run_realtime(args: argparse.Namespace, files, model: str, fields: list[tuple[str, str]]) -> int:
+def _run_realtime(args: argparse.Namespace, files, model: str, uploads: LoadSpec | None) -> int:
     from asrserve.benchmark.realtime import run_realtime_sweep
-
-    uploads = LoadSpec(
-        url=args.url.rstrip("/"), model=model, concurrency=args.realtime_uploads, duration_s=0.0,
-        language=args.language, response_format=args.response_format, api_key=args.api_key,
-        timeout_s=args.timeout, progress=False, fields=tuple(fields),
-    ) if args.realtime_uploads > 0 else None
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
