@@ -4,9 +4,11 @@ by one, then through the engine on the bundled tiny.en."""
 from __future__ import annotations
 
 import io
+import random
 import re
 
 import numpy as np
+
 import pytest
 import srt
 import torch
@@ -80,6 +82,54 @@ def test_timestamp_rules_mask_and_force(rules):
     assert 300 in allowed[2] and EOT in allowed[2]
     assert not allowed[2] & set(range(EOT + 1, BEGIN))  # control tokens never
     assert not allowed[2] & {BEGIN}  # a segment cannot close at its opening time
+
+
+def _reference_rules(rules, logits, rows, sampled, audio_ends):
+    """The rules as plain full-vocabulary masks and log-softmax, as openai/whisper writes them."""
+    vocab = torch.arange(VOCAB)[None, :]
+    limits = torch.tensor([rules.limits(tokens, end) for tokens, end in zip(sampled, audio_ends)]).T
+    text_below, timestamps_banned, lowest, highest, eot_banned = limits
+    is_timestamp = vocab >= BEGIN
+    banned = (vocab < text_below[:, None]) | ((vocab > EOT) & ~is_timestamp)
+    banned |= (vocab == EOT) & eot_banned[:, None].bool()
+    out_of_range = (vocab < lowest[:, None]) | (vocab > highest[:, None])
+    banned |= is_timestamp & (timestamps_banned[:, None].bool() | out_of_range)
+    filtered = logits[rows].masked_fill(banned, float("-inf"))
+    logprobs = torch.log_softmax(filtered, dim=-1)
+    timestamp_logprob = torch.logsumexp(logprobs[:, BEGIN:], dim=-1)
+    max_text_logprob = logprobs[:, :BEGIN].max(dim=-1).values
+    force = (timestamp_logprob > max_text_logprob)[:, None] & ~is_timestamp
+    logits[rows] = filtered.masked_fill(force, float("-inf"))
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_timestamp_rules_equal_the_full_vocabulary_masks(rules, subset):
+    """The slice-wise rules give exactly what full-vocabulary masks give, on rows in every state
+    (first token, open segment, closed segment, pair, end near), some rows without timestamps."""
+    generator = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    histories = []
+    for _ in range(40):
+        tokens, time = [], rng.randrange(0, 40)
+        for _ in range(rng.randrange(0, 12)):
+            if rng.random() < 0.4:
+                time += rng.randrange(0, 60)
+                tokens.append(BEGIN + min(time, 1500))
+            else:
+                tokens.append(rng.randrange(0, EOT))
+        histories.append(tokens)
+    ends = [BEGIN + rng.randrange(100, 1501) for _ in histories]
+    logits = torch.randn(len(histories), VOCAB, generator=generator) * 4
+    # Rows where the timestamps' mass and the best text token are close: the forcing rule's edge.
+    logits[::3, BEGIN:] += 1.5
+    rows = sorted(rng.sample(range(len(histories)), 25)) if subset else list(range(len(histories)))
+    expected = logits.clone()
+    _reference_rules(rules, expected, rows, [histories[i] for i in rows], [ends[i] for i in rows])
+    rules.apply(logits, rows, [histories[i] for i in rows], [ends[i] for i in rows])
+    assert torch.equal(torch.isinf(logits), torch.isinf(expected))
+    assert torch.equal(logits, expected)
+    forced = [i for i in rows if torch.isinf(logits[i, :BEGIN]).all() and not torch.isinf(logits[i, BEGIN:]).all()]
+    assert 0 < len(forced) < len(rows)  # rows left with only timestamps, and rows with text, both occur
 
 
 # --- fallback decisions --------------------------------------------------------------------
