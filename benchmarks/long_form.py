@@ -48,8 +48,8 @@ greedy (beam 1) on the same weights, with each system's own long-form defaults o
                           logprob_threshold=-1, no_speech_threshold=0.6, condition_on_prev_tokens
                           left at its default False), files batched by --transformers-batch.
   asrserve-<S>-seek / asrserve-<S>-noseek
-                          ASR(model, dtype="float32").transcribe(all files of a language at once,
-                          language=..., chunking_strategy=S, seek_continuation=True|False) with
+                          ASR(model, dtype="float32").transcribe(all files of the set at once,
+                          language=[each file's], chunking_strategy=S, seek_continuation=True|False) with
                           OpenAI's defaults otherwise (temperature fallback on, plain text);
                           S = energy (cuts at quiet points) or auto (Silero VAD).
                           --asrserve-kwargs '{"timestamps": true}' adds keyword arguments.
@@ -424,13 +424,10 @@ def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict):
     config = {"dtype": "float32", "chunking_strategy": strategy, "seek_continuation": seek} | extra
 
     def run(audios, languages):
-        texts: list[str | None] = [None] * len(audios)
-        for language, indices in _by_language(languages).items():
-            out = asr.transcribe([audios[i] for i in indices], language=language, chunking_strategy=strategy,
-                                 seek_continuation=seek, **extra)
-            for i, transcription in zip(indices, out):
-                texts[i] = transcription.text
-        return texts
+        # Every file in one call, each in its own language: they decode side by side.
+        out = asr.transcribe(audios, language=languages, chunking_strategy=strategy, seek_continuation=seek,
+                             **extra)
+        return [transcription.text for transcription in out]
 
     return config, run
 

