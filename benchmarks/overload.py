@@ -27,6 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asrserve.engine.engine_process import IDLE_RELEASE_AFTER_S
 from benchmarks.workloads import short_clips
 from tests.server_utils import ServerProcess
 
@@ -89,9 +90,18 @@ def engine_idle(server: ServerProcess, timeout_s: float = 30.0) -> dict[str, flo
         time.sleep(0.1)
 
 
+def settle(server: ServerProcess) -> dict[str, float]:
+    """Waits for the engine to finish, then past the idle time after which it hands its freed
+    heap back to the OS; returns what the engine still held when it finished."""
+    held = engine_idle(server)
+    time.sleep(IDLE_RELEASE_AFTER_S + 1.0)
+    return held
+
+
 def run_overload(num_requests: int, max_num_seqs: int, max_waiting: int, audio: bytes, bursts: int = 2) -> dict:
-    """`bursts` bursts of `num_requests`, one after another: memory must not grow from one
-    burst to the next (the first also touches the KV pool and workspaces for the first time)."""
+    """`bursts` bursts of `num_requests`, each after the engine has been idle a moment: memory
+    must not grow from one burst to the next (the first also touches the KV pool and
+    workspaces for the first time), and must come back down once the engine is idle."""
     server = ServerProcess(
         ["--dtype", "float32", "--max-num-seqs", str(max_num_seqs), "--max-encoder-batch", str(max_num_seqs),
          "--max-waiting-requests", str(max_waiting), "--preprocess-workers", "1"]
@@ -101,8 +111,9 @@ def run_overload(num_requests: int, max_num_seqs: int, max_waiting: int, audio: 
         warm = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": audio}, timeout=120)
         assert warm.status_code == 200, warm.text
         expected_text = warm.json()["text"]
+        settle(server)
         rss_before = server.tree_rss_bytes()
-        results, peaks, walls = [], [], []
+        results, peaks, walls, idle = [], [], [], []
         for _ in range(bursts):
             sampler = MemorySampler(server)
             sampler.start()
@@ -110,7 +121,8 @@ def run_overload(num_requests: int, max_num_seqs: int, max_waiting: int, audio: 
             results += asyncio.run(burst(server.url, audio, num_requests))
             walls.append(round(time.monotonic() - started, 2))
             peaks.append(_mb(sampler.stop()))
-            held_after = engine_idle(server)
+            held_after = settle(server)
+            idle.append(_mb(server.tree_rss_bytes()))
         health = httpx.get(f"{server.url}/health", timeout=5).status_code
         after = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": audio}, timeout=120)
         rss_after = server.tree_rss_bytes()
@@ -131,7 +143,8 @@ def run_overload(num_requests: int, max_num_seqs: int, max_waiting: int, audio: 
         "refused_latency_ms_max": _ms(max(r["seconds"] for r in refused)) if refused else None,
         "accepted_latency_ms_max": _ms(max(r["seconds"] for r in accepted)) if accepted else None,
         "accepted_texts_as_expected": sum(1 for r in accepted if r["text"] == expected_text),
-        "rss_mb_before": _mb(rss_before), "rss_mb_peak_per_burst": peaks, "rss_mb_after": _mb(rss_after),
+        "rss_mb_before": _mb(rss_before), "rss_mb_peak_per_burst": peaks,
+        "rss_mb_idle_after_burst": idle, "rss_mb_after": _mb(rss_after),
         "engine_held_after": held_after, "health_after": health, "request_after": after.status_code,
         "text_after_as_expected": after.status_code == 200 and after.json()["text"] == expected_text,
         "server_alive": server_alive,

@@ -27,6 +27,7 @@ from asrserve.errors import InvalidRequestError, ModelLoadError
 logger = logging.getLogger(__name__)
 
 EXIT_HANDLERS_TIMEOUT_S = 2.0
+IDLE_RELEASE_AFTER_S = 1.0  # idle this long, the engine hands its freed heap back to the OS
 
 
 @dataclass
@@ -144,24 +145,36 @@ class EngineLoop:
         self.outbox = outbox
         self.messages: queue.Queue = queue.Queue()
         self._encoder_batches_sent: Counter[int] = Counter()
+        self._memory_released = True  # nothing has been freed yet
 
     def run(self) -> None:
         threading.Thread(target=self._read_inbox, name="engine-inbox", daemon=True).start()
         while True:
             # Idle: sleep until a message comes. Busy: take what has arrived and step.
             block = not self.core.has_work()
+            # Idle for a while: hand freed memory back once, then sleep until a message comes.
+            # Not at once: back-to-back requests and live turns would fault the pages back in.
+            timeout = IDLE_RELEASE_AFTER_S if block and not self._memory_released else None
             outputs: list[RequestOutput] = []
             try:
-                message = self.messages.get(block=block)
-                while True:
-                    if message[0] == "shutdown":
-                        return
-                    outputs.extend(self._handle(message))
-                    message = self.messages.get_nowait()
+                message = self.messages.get(block=block, timeout=timeout)
             except queue.Empty:
-                pass
+                if block:  # idle that long
+                    self.core.runner.release_idle_memory()
+                    self._memory_released = True
+                    continue
+                message = None
+            while message is not None:
+                if message[0] == "shutdown":
+                    return
+                outputs.extend(self._handle(message))
+                try:
+                    message = self.messages.get_nowait()
+                except queue.Empty:
+                    message = None
             if self.core.has_work():
                 outputs.extend(self.core.step())
+                self._memory_released = False
             self.outbox.send(("outputs", outputs, self._stats()))
 
     def _read_inbox(self) -> None:

@@ -232,10 +232,6 @@ class TextDecoder(nn.Module):
         # On CPU the product runs as weight @ hidden.T: for a few rows against the 52k-token
         # vocabulary MKL's kernel for hidden @ weight.T repacks the whole 80 MB weight on every
         # call, and the step's logits take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
-        # A single row goes through as two: MKL's matrix-vector kernel reads the weight at half
-        # the bandwidth its matrix kernel does (tiny.en: 7-9 ms against 4 ms for two rows). One
-        # row is the no-speech probability of a request starting alone, and every step of one
-        # request when batch-invariant padding is off (decode steps pad to at least 16 rows).
         weight = self.embed_tokens.weight
         if hidden.device.type != "cpu":
             return F.linear(hidden, weight).float()
@@ -243,10 +239,7 @@ class TextDecoder(nn.Module):
             if self._fp32_output_weight is None:
                 self._fp32_output_weight = weight.float()
             weight = self._fp32_output_weight
-        rows = hidden.float()
-        if len(rows) == 1:
-            return torch.mm(weight, rows.repeat(2, 1).T)[:, :1].T.contiguous()
-        return torch.mm(weight, rows.T).T.contiguous()
+        return torch.mm(weight, hidden.float().T).T.contiguous()
 
 
 class Whisper(nn.Module):

@@ -25,7 +25,9 @@ class DecoderInputs:
     input_ids: torch.Tensor  # [padded tokens]
     positions: torch.Tensor  # [padded tokens]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [padded requests] row of each request's last token
+    # [padded rows] the row of each request's last token, then the rows of no_speech_rows: all
+    # the step's logits in one product
+    logits_indices: torch.Tensor
     # (request index, flat row) of each <|startoftranscript|> whose no_speech_prob is due
     no_speech_rows: list[tuple[int, int]]
     aligned_requests: list[int]  # request indices in metadata.alignment's order
@@ -116,7 +118,7 @@ class DecoderInputBuilder:
             input_ids=self._tensor(np.pad(np.asarray(token_ids), (0, padded_tokens - num_tokens))),
             positions=self._tensor(np.pad(flat_positions, (0, padded_tokens - num_tokens))),
             metadata=metadata,
-            logits_indices=self._tensor(np.pad(last_token_rows, (0, self._padded_size(num_seqs) - num_seqs))),
+            logits_indices=self._logits_indices(last_token_rows, no_speech_rows),
             no_speech_rows=no_speech_rows,
             aligned_requests=aligned,
         )
@@ -144,6 +146,10 @@ class DecoderInputBuilder:
             order_array = np.asarray(order)
             metadata.cross_row_order = self._tensor(order_array)
             metadata.cross_row_inverse = self._tensor(np.argsort(order_array))
+
+    def _logits_indices(self, last_token_rows: np.ndarray, no_speech_rows: list[tuple[int, int]]) -> torch.Tensor:
+        rows = np.asarray([*last_token_rows, *(row for _, row in no_speech_rows)], dtype=np.int64)
+        return self._tensor(np.pad(rows, (0, self._padded_size(len(rows)) - len(rows))))
 
     def _padded_size(self, rows: int) -> int:
         """Rows rounded up so matrix kernels take the same code path for every batch: small

@@ -35,6 +35,21 @@ def _keep_freed_memory_mapped() -> None:
     libc.mallopt(M_TOP_PAD, 1 << 30)
 
 
+def _return_freed_memory() -> None:
+    """Gives the heap's free pages back to the OS (glibc's malloc_trim, which also releases
+    free pages below the top). With the 1 GiB kept mapped above, the engine's resident memory
+    would otherwise ratchet up to the highest its heap ever reached, and where that lands
+    depends on how a burst's allocations happened to interleave (tiny.en: +60-95 MB in one
+    burst out of several). Called once the engine has been idle for a second
+    (engine_process.IDLE_RELEASE_AFTER_S), so each burst starts from the same heap. Not glibc:
+    nothing to do."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 def alignment_heads_by_layer(
     heads: list[tuple[int, int]], dims, device: torch.device
 ) -> dict[int, torch.Tensor]:
@@ -88,6 +103,11 @@ class ModelRunner:
         if device.type == "cpu":
             _keep_freed_memory_mapped()
 
+    def release_idle_memory(self) -> None:
+        """The engine has nothing to do: hand the freed heap back (CPU only)."""
+        if self.device.type == "cpu":
+            _return_freed_memory()
+
     # --- sizing the KV pool -----------------------------------------------------------
 
     @property
@@ -140,19 +160,18 @@ class ModelRunner:
         inputs = self.decoder_inputs.build(requests)
         hidden = self.model.decoder(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         logits = self.model.decoder.compute_logits(hidden[inputs.logits_indices])
-        no_speech_probs = self._no_speech_probs(hidden, inputs.no_speech_rows, len(requests))
+        no_speech_probs = self._no_speech_probs(logits[len(requests):], inputs.no_speech_rows, len(requests))
         sampled = self.sampler(logits[: len(requests)], requests)
         sampled.no_speech_probs = no_speech_probs
         sampled.alignment_scores = self._alignment_scores(inputs, len(requests))
         return sampled
 
-    def _no_speech_probs(self, hidden: torch.Tensor, rows: list[tuple[int, int]], num_requests: int) -> list:
-        """P(<|nospeech|>) from the unfiltered logits at <|startoftranscript|>, as Whisper reads it."""
+    def _no_speech_probs(self, logits: torch.Tensor, rows: list[tuple[int, int]], num_requests: int) -> list:
+        """P(<|nospeech|>) from the unfiltered logits at <|startoftranscript|>, as Whisper reads
+        it; logits: the step's rows after the sampled ones, in `rows` order."""
         probs: list[float | None] = [None] * num_requests
         if rows:
-            flat_rows = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
-            logits = self.model.decoder.compute_logits(hidden[flat_rows])
-            values = torch.softmax(logits, dim=-1)[:, self.no_speech_token].tolist()
+            values = torch.softmax(logits[: len(rows)], dim=-1)[:, self.no_speech_token].tolist()
             for (index, _), value in zip(rows, values):
                 probs[index] = value
         return probs
