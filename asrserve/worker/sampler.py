@@ -142,6 +142,32 @@ class TimestampRules:
             logits[row_index] = filtered
 
 
+def sample_by_inverse_cdf(logits: torch.Tensor, temperatures: torch.Tensor,
+                          generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of logits [rows, vocab], drawn from softmax(logits / temperature):
+    one uniform number per row from that row's own generator, looked up in the row's
+    cumulative distribution. logits is overwritten.
+
+    torch.multinomial draws one exponential number per vocabulary entry (52k a row, ~1.1 ms on
+    a CPU core): with a fallback's 25 samples decoding side by side that was a third of the
+    step. Here the random part is one number a row and the rest is batched (25 rows: ~3 ms
+    against ~32 ms). In float32 each token's share of the cumulative sum is its probability
+    within half an ulp of the running total (3e-8); a token of probability 0 (masked to -inf)
+    adds exactly nothing, and the lookup, which finds the first entry whose cumulative sum
+    exceeds the drawn point, never lands on it."""
+    probs = torch.softmax(logits.div_(temperatures[:, None]), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=g, device=logits.device) for g in generators])
+    points = (uniforms * cdf[:, -1])[:, None]
+    token_ids = torch.searchsorted(cdf, points, right=True).squeeze(1)
+    # A draw at the very top of [0, 1) can round to the total: take the row's last possible token.
+    beyond = token_ids >= logits.shape[-1]
+    if beyond.any():
+        last_possible = logits.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+        token_ids = torch.where(beyond, last_possible, token_ids)
+    return token_ids
+
+
 class Sampler:
     def __init__(
         self,
@@ -176,11 +202,12 @@ class Sampler:
         # reduction, where log_softmax would also write out a [rows, vocab] tensor.
         log_normalizers = torch.logsumexp(logits, dim=-1)
         token_ids = logits.argmax(dim=-1)
-        for i, request in enumerate(requests):
-            temperature = request.temperature
-            if temperature > 0 and not request.needs_language:
-                probs = torch.softmax(logits[i] / temperature, dim=-1)
-                token_ids[i] = torch.multinomial(probs, 1, generator=self._generator(request)).squeeze(0)
+        sampled_rows = [i for i, r in enumerate(requests) if r.temperature > 0 and not r.needs_language]
+        if sampled_rows:
+            rows = self._rows(sampled_rows)
+            temperatures = torch.tensor([requests[i].temperature for i in sampled_rows], device=self.device)
+            generators = [self._generator(requests[i]) for i in sampled_rows]
+            token_ids[rows] = sample_by_inverse_cdf(logits[rows], temperatures, generators)
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizers
         return SamplerOutput(token_ids.tolist(), chosen.tolist())
 

@@ -1,0 +1,52 @@
+"""Temperature sampling (sample_by_inverse_cdf): the right distribution, never a masked token,
+and each row's draw independent of the rows beside it."""
+
+import math
+
+import torch
+
+from asrserve.worker import sampler
+from asrserve.worker.sampler import sample_by_inverse_cdf
+
+
+def _draw(logits: torch.Tensor, temperature: float, generators: list[torch.Generator]) -> torch.Tensor:
+    temperatures = torch.full((logits.shape[0],), temperature)
+    return sample_by_inverse_cdf(logits.clone(), temperatures, generators)
+
+
+def test_draws_follow_the_tempered_softmax_and_never_a_masked_token():
+    logits = torch.tensor([0.0, 1.0, float("-inf"), 2.0, -1.0, float("-inf"), 0.5])
+    draws = 40_000
+    for temperature in (0.4, 1.0):
+        generator = torch.Generator().manual_seed(7)
+        # 100 rows a call, all from one generator: the rows of a batch draw in order.
+        counts = torch.zeros(len(logits))
+        for _ in range(draws // 100):
+            rows = _draw(logits.repeat(100, 1), temperature, [generator] * 100)
+            counts += torch.bincount(rows, minlength=len(logits)).float()
+        expected = torch.softmax(logits / temperature, dim=-1) * draws
+        assert counts[2] == 0 and counts[5] == 0, "a token of probability 0 was drawn"
+        for token in (0, 1, 3, 4, 6):
+            sigma = math.sqrt(expected[token] * (1 - expected[token] / draws))
+            assert abs(counts[token] - expected[token]) < 5 * sigma + 1, (temperature, token, counts, expected)
+
+
+def test_each_row_draws_from_its_own_generator_whatever_else_is_in_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 51865) * 4
+    logits[:, 50_000:] = float("-inf")  # suppressed tokens, as the logit rules leave them
+    alone = [_draw(logits[i:i + 1], 0.8, [torch.Generator().manual_seed(100 + i)]).item() for i in range(6)]
+    order = [3, 0, 5, 1, 4, 2]
+    batched = _draw(logits[order], 0.8, [torch.Generator().manual_seed(100 + i) for i in order]).tolist()
+    assert batched == [alone[i] for i in order]
+    assert all(token < 50_000 for token in alone)
+    assert len(set(alone)) > 1
+
+
+def test_a_draw_that_rounds_to_the_total_takes_the_last_possible_token(monkeypatch):
+    logits = torch.tensor([[1.0, 2.0, 0.5, float("-inf"), float("-inf")],
+                           [0.0, float("-inf"), 3.0, 1.0, float("-inf")]])
+    # The largest uniform number times the total can round up to the total itself.
+    monkeypatch.setattr(sampler.torch, "rand", lambda *args, **kwargs: torch.ones(1))
+    tokens = _draw(logits, 1.0, [torch.Generator(), torch.Generator()]).tolist()
+    assert tokens == [2, 3]
