@@ -134,9 +134,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Pad each decoder step to a multiple of this many tokens (at least two multiples) so
     # matrix kernels see the same shapes whatever else is in the batch: a request's tokens
-    # then do not depend on its neighbours. 0 turns padding off. On CPU in float32 the step
-    # runs unpadded wherever oneDNN's products pass the row-independence check at load
-    # (model/prepacked_linear.py).
+    # then do not depend on its neighbours. 0 turns padding off.
     batch_invariant_padding: int = 8
 
 
