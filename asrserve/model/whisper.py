@@ -18,7 +18,6 @@ from asrserve.model.attention import (
     write_cross_kv,
     write_kv,
 )
-from asrserve.model.prepacked_linear import packed_linear
 
 
 @dataclass(frozen=True)
@@ -208,7 +207,6 @@ class TextDecoder(nn.Module):
             layer.encoder_attn.layer_index = index  # which alignment heads are its own
         self.layer_norm = nn.LayerNorm(d_model)
         self._fp32_output_weight: torch.Tensor | None = None  # CPU, 16-bit weights: see compute_logits
-        self.packed_output_weight: torch.Tensor | None = None  # CPU: see model/prepacked_linear.py
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -231,15 +229,12 @@ class TextDecoder(nn.Module):
         # transcripts of real speech equal its fp32 ones (benchmarks/dtype_accuracy.py); the
         # step pays ~2 ms for reading twice the bytes.
         #
-        # Where oneDNN is usable (prepacked_linear.py) the product runs over its packed copy of
-        # the weight, fp32. Otherwise, on CPU it runs as weight @ hidden.T: for a few rows against the 52k-token
+        # On CPU the product runs as weight @ hidden.T: for a few rows against the 52k-token
         # vocabulary MKL's kernel for hidden @ weight.T repacks the whole 80 MB weight on every
         # call, and the step's logits take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
         weight = self.embed_tokens.weight
         if hidden.device.type != "cpu":
             return F.linear(hidden, weight).float()
-        if self.packed_output_weight is not None:  # oneDNN, fp32, over a weight packed at load
-            return packed_linear(hidden.float(), self.packed_output_weight, None)
         if weight.dtype != torch.float32:
             if self._fp32_output_weight is None:
                 self._fp32_output_weight = weight.float()

@@ -16,7 +16,6 @@ from asrserve.engine.request import Request
 from asrserve.engine.scheduler import SchedulerOutput
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
-from asrserve.model.prepacked_linear import prepack_decoder
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.sampler import Sampler, SamplerOutput
 
@@ -97,15 +96,8 @@ class ModelRunner:
         # (one step after their consumption) that they may go.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.encoder_batch_sizes: Counter[int] = Counter()  # audios per encoder forward
-        padding = config.batch_invariant_padding
-        if device.type == "cpu":
-            # oneDNN over prepacked weights: each row's result independent of the row count,
-            # checked here, so float32 steps need no padding to stay batch-invariant.
-            decoder = self.model.decoder
-            unpadded, decoder.packed_output_weight = prepack_decoder(decoder, decoder.embed_tokens.weight)
-            padding = 0 if unpadded else padding
         self.decoder_inputs = DecoderInputBuilder(
-            self.block_size, self.dims.n_audio_ctx, padding,
+            self.block_size, self.dims.n_audio_ctx, config.batch_invariant_padding,
             alignment_heads_by_layer(loaded.generation.alignment_heads, self.dims, device), device,
         )
         if device.type == "cpu":
