@@ -153,11 +153,30 @@ def paged_attention(
     queries = _padded_queries(query, metadata)
     if query.device.type == "cpu" and query.dtype != torch.float32:
         out = _attention_head_major(queries, keys, values, attn_mask, buffers)
+    elif query.device.type == "cpu":
+        out = _self_attention_one_sequence_at_a_time(queries, keys, values, attn_mask)
     else:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
         )
     return _flat_rows(out, metadata)
+
+
+def _self_attention_one_sequence_at_a_time(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor
+) -> torch.Tensor:
+    """[N, Q, H, D] queries over [N, K, H, D] gathered keys -> [N, H, Q, D], one SDPA call per
+    sequence over its own keys only (see _sdpa_one_slot_at_a_time: the batched CPU kernel's
+    rounding depends on the batch, and on the padded key length, both set by the neighbours).
+    A sequence's keys are a prefix, as long as the most any of its query rows may see."""
+    lengths = attn_mask.any(dim=2).sum(dim=-1).flatten().tolist()  # [N] keys each sequence uses
+    outputs = []
+    for i, length in enumerate(lengths):
+        outputs.append(F.scaled_dot_product_attention(
+            queries[i:i + 1].transpose(1, 2), keys[i:i + 1, :length].transpose(1, 2),
+            values[i:i + 1, :length].transpose(1, 2), attn_mask=attn_mask[i:i + 1, ..., :length],
+        ))
+    return torch.cat(outputs)
 
 
 def _padded_queries(query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -210,6 +229,8 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
         row += num_rows
         if query.device.type == "cpu" and query.dtype != torch.float32:
             out = _attention_16bit_cpu(queries.transpose(1, 2), keys, values, None)
+        elif query.device.type == "cpu":
+            out = _sdpa_one_slot_at_a_time(queries.transpose(1, 2), keys, values)
         else:
             out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values)
         outputs.append(out.transpose(1, 2).reshape(num_rows, num_heads * head_dim))
@@ -217,6 +238,19 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
     if metadata.cross_row_inverse is not None:
         out = out.index_select(0, metadata.cross_row_inverse)
     return out
+
+
+def _sdpa_one_slot_at_a_time(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """SDPA per slot on CPU. torch's CPU kernel splits its work by the batch size, and with it
+    the order of a row's additions: a request's output differed by ~1e-7 between attending
+    alone and beside others, enough to flip a sampled token now and then (batch invariance).
+    One call per slot costs about what one batched call does (2 cores, 1500 keys: 9.3 against
+    9.4 ms for 32 slots)."""
+    if queries.shape[0] == 1:
+        return F.scaled_dot_product_attention(queries, keys, values)
+    return torch.cat([
+        F.scaled_dot_product_attention(queries[i:i + 1], keys[i:i + 1], values[i:i + 1]) for i in range(queries.shape[0])
+    ])
 
 
 def _attention_16bit_cpu(
