@@ -35,6 +35,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="memory for the KV pool")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of the GPU the engine may hold (weights, KV pool, the worst step's activations)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +206,7 @@ def _transcribe(args: argparse.Namespace) -> int:
             args.model, dtype=args.dtype, device=args.device, load_format=args.load_format, compile=args.compile,
             max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
     except (ModelLoadError, ValueError) as error:
         print(f"asrserve: error: {error}", file=sys.stderr)
@@ -294,7 +297,8 @@ def _serve(args: argparse.Namespace) -> int:
                 compile=args.compile,
             ),
             cache=CacheConfig(
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                gpu_memory_utilization=args.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch),
         )

@@ -92,9 +92,10 @@ class CacheConfig:
     block_size: int = 16
     # Exact pool size; when None the pool comes from the memory budget below.
     num_kv_blocks: int | None = None
-    # Memory for the KV pool. None: on CUDA a share of free GPU memory
-    # (gpu_memory_utilization); on CPU enough for max_num_seqs full-length requests.
+    # Memory for the KV pool. None: enough for max_num_seqs full-length requests, capped on
+    # CPU at 4 GiB and on CUDA by what gpu_memory_utilization leaves (worker/memory_profile).
     kv_cache_memory_gb: float | None = None
+    # Share of the GPU's memory this engine may hold: weights, KV pool, the worst step.
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
@@ -102,6 +103,8 @@ class CacheConfig:
             raise ValueError("block_size must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass

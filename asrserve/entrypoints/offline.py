@@ -87,12 +87,14 @@ class ASR:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         compile: str = "auto",
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, load_format=load_format, compile=compile),
             cache=CacheConfig(
-                block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb
+                block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_encoder_batch=max_encoder_batch),
         )

@@ -11,12 +11,13 @@ from collections import Counter
 import torch
 
 from asrserve.audio.features import LogMelSpectrogram
-from asrserve.config import N_FRAMES, EngineConfig
+from asrserve.config import EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler import SchedulerOutput
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
+from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
 from asrserve.worker.sampler import Sampler, SamplerOutput
 
 _CPU_KV_CACHE_CAP_BYTES = 4 << 30  # default CPU pool: what max_num_seqs needs, at most 4 GiB
@@ -84,14 +85,6 @@ class ModelRunner:
         )
         self.no_speech_token = loaded.tokenizer.special.no_speech
         self.num_cross_blocks = math.ceil(self.dims.n_audio_ctx / self.block_size)
-        self.num_kv_blocks = self._num_kv_blocks(config)
-        head_dim = self.dims.n_text_state // self.dims.n_text_head
-        # Zeroed, not empty: padded block-table entries gather masked but real memory, and a
-        # NaN there would leak through the masked softmax.
-        self.kv_cache = torch.zeros(
-            self.dims.n_text_layer, 2, self.num_kv_blocks, self.block_size, self.dims.n_text_head, head_dim,
-            dtype=dtype, device=device,
-        )
         # Encoder outputs by request id, from the encoder forward until the scheduler says
         # (one step after their consumption) that they may go.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -100,6 +93,11 @@ class ModelRunner:
             self.block_size, self.dims.n_audio_ctx, config.batch_invariant_padding,
             alignment_heads_by_layer(loaded.generation.alignment_heads, self.dims, device), device,
         )
+        self.kv_cache: torch.Tensor | None = None
+        self.num_kv_blocks = self._num_kv_blocks(config)
+        # Zeroed, not empty: padded block-table entries gather masked but real memory, and a
+        # NaN there would leak through the masked softmax.
+        self.kv_cache = torch.zeros(self.kv_cache_shape(self.num_kv_blocks), dtype=dtype, device=device)
         if device.type == "cpu":
             _keep_freed_memory_mapped()
 
@@ -109,6 +107,10 @@ class ModelRunner:
             _return_freed_memory()
 
     # --- sizing the KV pool -----------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        head_dim = self.dims.n_text_state // self.dims.n_text_head
+        return (self.dims.n_text_layer, 2, num_blocks, self.block_size, self.dims.n_text_head, head_dim)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -121,29 +123,10 @@ class ModelRunner:
             return cache.num_kv_blocks
         if cache.kv_cache_memory_gb is not None:
             return int(cache.kv_cache_memory_gb * (1 << 30)) // self.kv_block_bytes
-        per_request = self.num_cross_blocks + math.ceil(self.dims.n_text_ctx / self.block_size)
-        wanted = config.scheduler.max_num_seqs * per_request
         if self.device.type == "cuda":
-            budget = self._free_gpu_memory_after_profiling(config)
-            return max(0, budget // self.kv_block_bytes)
+            return gpu_kv_blocks(self, config)
+        wanted = config.scheduler.max_num_seqs * blocks_per_request(self)
         return min(wanted, _CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes)
-
-    @torch.inference_mode()
-    def _free_gpu_memory_after_profiling(self, config: EngineConfig) -> int:
-        """Memory left for the pool: the configured share of the GPU, less the weights and the
-        peak of a full encoder batch, less what other processes hold."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        mel = torch.zeros(
-            config.scheduler.max_encoder_batch, self.dims.n_mels, N_FRAMES, dtype=self.dtype, device=self.device
-        )
-        self.model.encoder(mel)
-        del mel
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        return int(total * config.cache.gpu_memory_utilization - used_by_others - peak)
 
     # --- one step -----------------------------------------------------------------------
 
@@ -182,6 +165,10 @@ class ModelRunner:
         if alignment is not None:
             # [aligned requests, all alignment heads, 1500], heads in layer order
             stacked = torch.cat([alignment.scores[layer] for layer in sorted(alignment.scores)], dim=1)
+            # Host memory: a request keeps one [heads, 1500] row per token until it finishes
+            # (up to ~240 KB a token for turbo without an alignment-head list), which on a GPU
+            # would sit outside the KV budget. One copy per step, only when words are timed.
+            stacked = stacked.cpu()
             for index, row in zip(inputs.aligned_requests, stacked):
                 scores[index] = row
         return scores
