@@ -136,6 +136,18 @@ def test_max_tokens_stops_with_length(tiny_en_engine, speech_audio):
     assert len(tokens) == 3 and reasons == {"short": "length"}
 
 
+def test_ignore_eos_decodes_exactly_max_tokens(tiny_en_engine, speech_audio):
+    # A short clip ends long before 40 tokens; with ignore_eos the end of text is never sampled.
+    eot = tiny_en_engine.tokenizer.special.eot
+    for request_id, ignore in (("stops", False), ("fixed", True)):
+        params = SamplingParams(max_tokens=40, ignore_eos=ignore)
+        tiny_en_engine.add_request(request_id, speech_audio[6], sampling_params=params)
+    tokens = run_to_completion(tiny_en_engine)
+    assert len(tokens["stops"]) < 40
+    assert len(tokens["fixed"]) == 40 and eot not in tokens["fixed"]
+    assert_idle_and_clean(tiny_en_engine)
+
+
 def test_per_token_logprobs_are_kept(tiny_en_engine, speech_audio):
     tiny_en_engine.add_request("lp", speech_audio[1])
     logprobs = []

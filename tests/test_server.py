@@ -198,6 +198,19 @@ def test_temperature_fallback_extension_decodes_once(client, server, speech_file
     assert response.status_code == 400 and response.json()["error"]["param"] == "temperature_fallback"
 
 
+def test_ignore_eos_extension_decodes_the_full_budget(client, speech_files):
+    # A short clip's transcript ends well inside 40 tokens; ignore_eos spends all 40.
+    counts = {}
+    for ignore in (False, True):
+        with open(speech_files[6], "rb") as file:
+            events = list(client.audio.transcriptions.create(
+                model="tiny.en", file=file, stream=True,
+                extra_body={"ignore_eos": ignore, "max_completion_tokens": 40, "temperature_fallback": False},
+            ))
+        counts[ignore] = events[-1].usage.output_tokens
+    assert counts[False] < 40 and counts[True] == 40
+
+
 def test_best_of_extension(client, server, speech_files):
     from asrserve.entrypoints.serving_transcription import TranscriptionParams
     from asrserve.entrypoints.protocol import TranscriptionRequest

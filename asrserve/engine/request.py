@@ -35,6 +35,9 @@ class SamplingParams:
     # no_speech_prob above this and average logprob below logprob_threshold: the piece is
     # silence (its text is dropped). None: never.
     no_speech_threshold: float | None = None
+    # Never end at <|endoftext|> (it is banned): exactly max_tokens tokens. For benchmarks that
+    # need a fixed output length, as vLLM's ignore_eos.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         for temperature in (self.temperature, *self.fallback_temperatures):

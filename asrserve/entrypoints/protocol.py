@@ -66,6 +66,9 @@ class TranscriptionRequest(BaseModel):
     # chunking_strategy[type], chunking_strategy[threshold], ... (as OpenAI's SDKs send objects).
     # Checked by asrserve.audio.chunking.ChunkingStrategy.parse.
     chunking_strategy: str | dict[str, str] | None = None
+    # asrserve's extension, for benchmarks (as vLLM's ignore_eos): never stop at
+    # <|endoftext|>; each piece decodes max_completion_tokens tokens (224 when not given).
+    ignore_eos: bool = False
 
     @classmethod
     def from_form(cls, fields: dict[str, list[str]]) -> "TranscriptionRequest":

@@ -189,6 +189,9 @@ class Sampler:
         language_rows = [i for i, r in enumerate(requests) if r.needs_language]
         first_rows = [i for i, r in enumerate(requests) if not r.needs_language and not r.output_token_ids]
         self.suppress_tokens.apply(logits)
+        if any(r.sampling_params.ignore_eos for r in requests):
+            no_eos = self._rows(i for i, r in enumerate(requests) if r.sampling_params.ignore_eos)
+            logits[no_eos, self.timestamp_rules.eot] = float("-inf")
         self.suppress_blank.apply(logits, self._rows(first_rows))
         self.only_languages.apply(logits, self._rows(language_rows))
         timestamp_rows = [i for i, r in enumerate(requests) if r.sampling_params.timestamps and not r.needs_language]
