@@ -288,7 +288,12 @@ def _load_dummy(model: str | None, device: torch.device, dtype: torch.dtype) -> 
             f"dummy weights need a standard size ({', '.join(SHORT_NAMES)}) or a directory with "
             f"config.json, not {name!r}"
         )
-    tokenizer = _dummy_tokenizer(dims.n_vocab)
+    if (path / "tokenizer.json").is_file():  # a directory may bring its own (no weights needed)
+        from tokenizers import Tokenizer
+
+        tokenizer = WhisperTokenizer(Tokenizer.from_file(str(path / "tokenizer.json")), dims.n_vocab)
+    else:
+        tokenizer = _dummy_tokenizer(dims.n_vocab)
     with torch.device(device):
         whisper = Whisper(dims).to(dtype)
     whisper.init_random_weights()
