@@ -41,6 +41,12 @@ if [[ $STAGES == *http* ]]; then
     curl -sf localhost:8000/health > /dev/null && break
     sleep 1
   done
+  # Once a second, the engine's queues as the server sees them: tells a starved engine (few
+  # running, uploads queued in preprocessing) from a saturated one.
+  ( while kill -0 $server 2> /dev/null; do
+      echo "$(date +%s.%N) $(curl -s localhost:8000/metrics | grep -E '^asrserve_(num_requests_(waiting|running)|preprocess_queue_depth|http_requests_waiting|encoder_batch_size_(sum|count)) ' | tr '\n' ' ')"
+      sleep 1
+    done ) > "$OUT/metrics.log" 2>&1 &
   timeout 200 python3 -m asrserve bench /tmp/clips --sweep 64,256 --language en --no-progress \
     --field ignore_eos=true --field max_completion_tokens=90 --field temperature_fallback=false \
     --save-result "$OUT/http.json" --plot "$OUT/http.png" 2>&1 | tee "$OUT/http.log" | tail -12

@@ -48,7 +48,7 @@ greedy (beam 1) on the same weights, with each system's own long-form defaults o
                           logprob_threshold=-1, no_speech_threshold=0.6, condition_on_prev_tokens
                           left at its default False), files batched by --transformers-batch.
   asrserve-<S>-seek / asrserve-<S>-noseek
-                          ASR(model, dtype="float32").transcribe(all files of the set at once,
+                          ASR(model, dtype=--asrserve-dtype).transcribe(all files of the set at once,
                           language=[each file's], chunking_strategy=S, seek_continuation=True|False) with
                           OpenAI's defaults otherwise (temperature fallback on, plain text);
                           S = energy (cuts at quiet points) or auto (Silero VAD).
@@ -417,11 +417,11 @@ def transformers_long_form(model_name: str, batch_size: int):
     return config, run
 
 
-def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict):
+def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: str):
     from asrserve import ASR
 
-    asr = ASR(model, dtype="float32")
-    config = {"dtype": "float32", "chunking_strategy": strategy, "seek_continuation": seek} | extra
+    asr = ASR(model, dtype=dtype)
+    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."), "chunking_strategy": strategy, "seek_continuation": seek} | extra
 
     def run(audios, languages):
         # Every file in one call, each in its own language: they decode side by side.
@@ -444,7 +444,7 @@ def make_system(name: str, model: str, args) -> tuple[dict, object]:
     if name == "transformers":
         return transformers_long_form(model, args.transformers_batch)
     strategy, seek = ASRSERVE[name]
-    return asrserve_runner(model, strategy, seek, json.loads(args.asrserve_kwargs))
+    return asrserve_runner(model, strategy, seek, json.loads(args.asrserve_kwargs), args.asrserve_dtype)
 
 
 def normalizer_for(set_name: str):
@@ -666,6 +666,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per set; the median is reported")
     parser.add_argument("--seed", type=int, default=0, help="seeds the fallback's sampling in every worker")
     parser.add_argument("--transformers-batch", type=int, default=4, help="files per transformers generate call")
+    parser.add_argument("--asrserve-dtype", default="auto",
+                        help="asrserve's dtype: auto (what users get: bfloat16 where the CPU computes it) or float32")
     parser.add_argument("--asrserve-kwargs", default="{}", help="JSON: more keyword arguments for ASR.transcribe")
     parser.add_argument("--keep-audio", type=Path, default=None, help="build the sets in this folder and keep them")
     parser.add_argument("--save-result", type=Path, default=None)

@@ -164,6 +164,9 @@ def test_bench_realtime_streams_alone_and_beside_uploads(server, workload, tmp_p
         assert live["streams"] == 1 and live["utterances"] >= 2 and live["errors"] == []
         latency = live["end_of_speech_to_completed_ms"]
         assert 0 < latency["p50"] <= latency["p99"] <= latency["max"]
+        if live["utterances_with_delta_before_completed"]:  # timed from the turn's own speech start
+            first = live["time_to_first_delta_ms"]
+            assert 0 < first["p50"] <= first["max"] < 30_000
         assert live["wer"] < 0.5
     uploads = beside["uploads"]
     assert uploads["concurrency"] == 2 and uploads["succeeded"] >= 2 and uploads["failed"] == 0

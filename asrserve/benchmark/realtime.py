@@ -5,7 +5,8 @@ Each stream plays the workload's files one after another at real time (100 ms ap
 utterance it measures:
 - end of speech -> completed: from the server's `speech_stopped` (the turn is over: the
   person has been silent for silence_duration_ms) to the transcript's `completed`;
-- time to first delta: from the first audio of the utterance sent to its first delta.
+- time to first delta: from the start of the turn's speech (the `audio_start_ms` of its
+  `speech_started`, on the clock of the audio sent) to its first delta.
 Streams at 1, 2, 4, ... N at once: the most this machine holds with that p99 under 1 s. With a
 manifest, the WER of each stream's transcripts against its files' texts, next to the speed.
 
@@ -55,7 +56,8 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
     silence = bytes(int(RATE * gap_s) * 2)
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
         assert json.loads(await ws.recv())["type"] == "session.created"
-        utterance_starts: list[float] = []
+        clock: list[float] = []  # when the stream's first audio was sent: audio time 0
+        speech_starts: dict[str, float] = {}  # item -> when its speech began, on this clock
         stopped: dict[str, float] = {}
         items: list[str] = []  # turns server VAD found, in order
         first_delta: dict[str, float] = {}
@@ -65,9 +67,9 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
         async def send() -> None:
             step = int(RATE * CHUNK_S) * 2
             start = time.monotonic()
+            clock.append(start)
             sent_s = 0.0
             for clip in clips:
-                utterance_starts.append(time.monotonic())
                 for audio in (clip, silence):
                     for offset in range(0, len(audio), step):
                         chunk = audio[offset : offset + step]
@@ -82,6 +84,7 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                 kind, now = event["type"], time.monotonic()
                 if kind == "input_audio_buffer.speech_started":
                     items.append(event["item_id"])
+                    speech_starts[event["item_id"]] = clock[0] + event["audio_start_ms"] / 1000
                 elif kind == "input_audio_buffer.speech_stopped":
                     stopped[event["item_id"]] = now
                 elif kind.endswith("transcription.delta") and event["item_id"] not in first_delta:
@@ -91,9 +94,8 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                     result.transcripts.append(event["transcript"])
                     if item in stopped:
                         result.completed_latency_s.append(now - stopped[item])
-                    index = items.index(item) if item in items else -1
-                    if item in first_delta and 0 <= index < len(utterance_starts):
-                        result.first_delta_s.append(first_delta[item] - utterance_starts[index])
+                    if item in first_delta and item in speech_starts:
+                        result.first_delta_s.append(first_delta[item] - speech_starts[item])
                     if sending_done.is_set() and len(result.transcripts) >= len(items):
                         done.set()  # every turn server VAD found has its transcript
                         return
