@@ -160,6 +160,17 @@ def test_a_word_is_stable_when_two_decodes_agree_past_it():
     assert words.stable_length(previous, current, 3, "en") == 3  # never less than what was sent
 
 
+def test_a_word_chosen_with_low_confidence_is_not_stable_however_often_it_is_agreed():
+    words = WordBoundaries(_Tokens())
+    previous = current = [0, 1, 2, 3, 4, 5, 6]  # " the birch canoe slid." twice
+    sure = [-0.1] * len(current)
+    assert words.stable_length(previous, current, 0, "en", logprobs=sure, min_logprob=-1.0) == 5
+    unsure = sure[:3] + [-2.0] + sure[4:]  # " can" was a guess: so is where " birch" ends
+    assert words.stable_length(previous, current, 0, "en", logprobs=unsure, min_logprob=-1.0) == 1
+    assert words.stable_length(previous, current, 0, "en", logprobs=unsure) == 5  # no floor: agreement alone
+    assert words.stable_length(previous, current, 3, "en", logprobs=[-5.0] * 7, min_logprob=-1.0) == 3
+
+
 def _request(name: str, interactive: bool) -> Request:
     return Request(name, np.zeros(16_000, np.float32), [1], SamplingParams(), 10, interactive=interactive)
 

@@ -5,8 +5,10 @@ Each stream plays the workload's files one after another at real time (100 ms ap
 utterance it measures:
 - end of speech -> completed: from the server's `speech_stopped` (the turn is over: the
   person has been silent for silence_duration_ms) to the transcript's `completed`;
-- time to first delta: from the start of the turn's speech (the `audio_start_ms` of its
-  `speech_started`, on the clock of the audio sent) to its first delta.
+- time to first delta: from the start of the turn's speech (its `speech_started`'s
+  `audio_start_ms`, which includes the prefix padding, plus that padding, on the clock of the
+  audio sent) to its first delta; over every turn, and over the turns of LONG_TURN_S or more
+  of speech (a short turn's first text is its final decode's, after it has ended).
 Streams at 1, 2, 4, ... N at once: the most this machine holds with that p99 under 1 s. With a
 manifest, the WER of each stream's transcripts against its files' texts, next to the speed.
 
@@ -33,12 +35,15 @@ from asrserve.benchmark.workload import AudioFile
 RATE = 24_000
 CHUNK_S = 0.1
 P99_TARGET_S = 1.0
+LONG_TURN_S = 5.0  # a turn this long should show text while it is spoken
 
 
 @dataclass
 class StreamResult:
     completed_latency_s: list[float] = field(default_factory=list)
     first_delta_s: list[float] = field(default_factory=list)
+    long_turn_first_delta_s: list[float] = field(default_factory=list)  # turns of LONG_TURN_S or more
+    deltas_during_speech: int = 0  # turns whose first delta came before their speech_stopped
     transcripts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -55,10 +60,13 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
 
     silence = bytes(int(RATE * gap_s) * 2)
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
-        assert json.loads(await ws.recv())["type"] == "session.created"
+        created = json.loads(await ws.recv())
+        assert created["type"] == "session.created"
+        padding_s = created["session"]["audio"]["input"]["turn_detection"]["prefix_padding_ms"] / 1000
         clock: list[float] = []  # when the stream's first audio was sent: audio time 0
         speech_starts: dict[str, float] = {}  # item -> when its speech began, on this clock
         stopped: dict[str, float] = {}
+        spoken_s: dict[str, float] = {}  # item -> seconds of speech (speech start to audio_end_ms)
         items: list[str] = []  # turns server VAD found, in order
         first_delta: dict[str, float] = {}
         done = asyncio.Event()
@@ -84,9 +92,10 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                 kind, now = event["type"], time.monotonic()
                 if kind == "input_audio_buffer.speech_started":
                     items.append(event["item_id"])
-                    speech_starts[event["item_id"]] = clock[0] + event["audio_start_ms"] / 1000
+                    speech_starts[event["item_id"]] = clock[0] + event["audio_start_ms"] / 1000 + padding_s
                 elif kind == "input_audio_buffer.speech_stopped":
                     stopped[event["item_id"]] = now
+                    spoken_s[event["item_id"]] = event["audio_end_ms"] / 1000 - (speech_starts[event["item_id"]] - clock[0])
                 elif kind.endswith("transcription.delta") and event["item_id"] not in first_delta:
                     first_delta[event["item_id"]] = now
                 elif kind.endswith("transcription.completed"):
@@ -96,6 +105,9 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                         result.completed_latency_s.append(now - stopped[item])
                     if item in first_delta and item in speech_starts:
                         result.first_delta_s.append(first_delta[item] - speech_starts[item])
+                        if spoken_s.get(item, 0.0) >= LONG_TURN_S:
+                            result.long_turn_first_delta_s.append(first_delta[item] - speech_starts[item])
+                        result.deltas_during_speech += item in stopped and first_delta[item] < stopped[item]
                     if sending_done.is_set() and len(result.transcripts) >= len(items):
                         done.set()  # every turn server VAD found has its transcript
                         return
@@ -143,6 +155,10 @@ async def run_streams(url: str, api_key: str | None, clips: list[bytes], streams
         "end_of_speech_to_completed_ms": percentiles(latency, (50, 90, 99)),
         "time_to_first_delta_ms": percentiles(first, (50, 90, 99)),
         "utterances_with_delta_before_completed": len(first),
+        "utterances_with_delta_during_speech": sum(r.deltas_during_speech for r in results),
+        f"time_to_first_delta_turns_over_{LONG_TURN_S:g}s_ms": percentiles(
+            [x for r in results for x in r.long_turn_first_delta_s], (50, 90, 99)),
+        f"turns_over_{LONG_TURN_S:g}s": sum(len(r.long_turn_first_delta_s) for r in results),
         "errors": [e for r in results for e in r.errors][:5],
         "transcripts": [t for r in results for t in r.transcripts],
     }
@@ -178,7 +194,8 @@ def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], ma
         runs.append(run)
         latency = run["end_of_speech_to_completed_ms"]
         log(f"{streams} streams: end of speech -> completed p50 {latency['p50']} ms, p99 {latency['p99']} ms; "
-            f"first delta p50 {run['time_to_first_delta_ms']['p50']} ms; "
+            f"first delta p50 {run['time_to_first_delta_ms']['p50']} ms "
+            f"({run[f'time_to_first_delta_turns_over_{LONG_TURN_S:g}s_ms']['p50']} ms on turns of {LONG_TURN_S:g} s or more); "
             f"{'WER ' + format(run['wer'] * 100, '.1f') + ' %; ' if 'wer' in run else ''}{len(run['errors'])} errors")
         if uploads is not None:
             beside = asyncio.run(run_streams_beside_uploads(url, api_key, clips, streams, gap_s, files, uploads))

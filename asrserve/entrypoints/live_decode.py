@@ -8,8 +8,9 @@ are its forced prefix (openai/whisper's `prefix`). A word becomes stable, and is
 interim decodes in a row agree on it and on the start of a word after it (local agreement, as
 whisper_streaming does) and on the word after it beginning at least STABLE_MARGIN_S before
 the end of the audio decoded (a word at the very edge is often misheard, and two decodes of
-nearly the same audio can agree on it). The final decode only adds to what was sent; the deltas of an item
-joined are exactly its completed transcript."""
+nearly the same audio can agree on it), and when the latest decode chose none of its tokens
+with a log-probability below MIN_STABLE_LOGPROB. The final decode only adds to what was sent;
+the deltas of an item joined are exactly its completed transcript."""
 
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ from asrserve.errors import InvalidRequestError
 from asrserve.model.languages import NO_SPACE_LANGUAGES
 from asrserve.model.tokenizer import WhisperTokenizer
 
-STABLE_MARGIN_S = 1.0
+STABLE_MARGIN_S = 0.5
+# A word is not sent while the latest decode chose any of its tokens with less than this
+# log-probability (benchmarks/live_stability.py: without it, tiny.en sent early misreadings
+# that both decodes agreed on, and live WER was 6 points above one decode of the utterance).
+MIN_STABLE_LOGPROB = -1.0
 _ids = itertools.count()
 _prefix = uuid.uuid4().hex[:8]
 
@@ -58,6 +63,38 @@ def final_params(has_prefix: bool) -> SamplingParams:
     return params
 
 
+class DecodeCollector:
+    """Gathers one decode's engine outputs into a LiveDecode (a fallback restart voids what
+    came before it)."""
+
+    def __init__(self, language: str | None):
+        self.language = language
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.summary = None
+
+    def add(self, output) -> None:
+        if output.finish_reason == "error":
+            raise InvalidRequestError(output.error or "the engine refused the request")
+        if output.restarted:
+            self.token_ids.clear()
+            self.logprobs.clear()
+        self.token_ids.extend(output.new_token_ids)
+        self.logprobs.extend(output.new_logprobs)
+        self.language = output.language or self.language
+        self.summary = output.summary if output.finished else self.summary
+
+    def result(self, tokenizer: WhisperTokenizer) -> LiveDecode:
+        eot = tokenizer.special.eot
+        kept = [(token, logprob) for token, logprob in zip(self.token_ids, self.logprobs) if token < eot]
+        summary = self.summary
+        times = summary.token_times if summary is not None and summary.token_times else None
+        return LiveDecode(
+            [token for token, _ in kept], [logprob for _, logprob in kept], self.language,
+            summary is not None and summary.no_speech, times[: len(kept)] if times else None,
+        )
+
+
 async def decode(
     engine: AsyncEngineClient, tokenizer: WhisperTokenizer, audio: np.ndarray, language: str | None,
     prompt: str | None, prefix: list[int], params: SamplingParams,
@@ -66,30 +103,20 @@ async def decode(
     request_id = f"rt-{_prefix}-{next(_ids)}"
     request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True)
     stream = engine.add([request])[0]
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    summary = None
+    collected = DecodeCollector(language)
     try:
         async for output in stream:
-            if output.finish_reason == "error":
-                raise InvalidRequestError(output.error or "the engine refused the request")
-            if output.restarted:
-                token_ids.clear()
-                logprobs.clear()
-            token_ids.extend(output.new_token_ids)
-            logprobs.extend(output.new_logprobs)
-            language = output.language or language
-            summary = output.summary if output.finished else summary
+            collected.add(output)
     except asyncio.CancelledError:
         engine.abort([request_id])
         raise
-    eot = tokenizer.special.eot
-    kept = [(token, logprob) for token, logprob in zip(token_ids, logprobs) if token < eot]
-    times = summary.token_times if summary is not None and summary.token_times else None
-    return LiveDecode(
-        [token for token, _ in kept], [logprob for _, logprob in kept], language,
-        summary is not None and summary.no_speech, times[: len(kept)] if times else None,
-    )
+    return collected.result(tokenizer)
+
+
+def logprob_entry(tokenizer: WhisperTokenizer, token: int, logprob: float) -> dict:
+    """One token's entry in a delta's or completed's `logprobs` (OpenAI's shape)."""
+    text = tokenizer.decode([token])
+    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
 
 
 class WordBoundaries:
@@ -109,16 +136,20 @@ class WordBoundaries:
         return self._starts[token]
 
     def stable_length(self, previous: list[int], current: list[int], start: int, language: str | None,
-                      times: list[float] | None = None, latest: float = float("inf")) -> int:
+                      times: list[float] | None = None, latest: float = float("inf"),
+                      logprobs: list[float] | None = None, min_logprob: float | None = None) -> int:
         """How many leading tokens of `current` are stable: the longest common prefix of two
         successive decodes (full token lists, prefix included), cut back to the start of a
         word, never past the last one (the next audio may still change it) nor past a word
         that begins after `latest` seconds (`times`: when each token of `current` begins): a
         word heard at the very end of the audio so far is often misheard, and agreeing twice
-        on it does not make it right. Never less than `start` (the prefix already sent)."""
+        on it does not make it right. Never less than `start` (the prefix already sent).
+        With `min_logprob`, agreement also ends at the first token `current` chose with a
+        log-probability below it (`logprobs`: one per token of `current`): a guess made twice
+        is still a guess."""
         agreed = start
         for a, b in zip(previous[start:], current[start:]):
-            if a != b:
+            if a != b or (min_logprob is not None and logprobs[agreed] < min_logprob):
                 break
             agreed += 1
         for end in range(agreed - 1, start, -1):  # the last word start after the prefix's first token

@@ -159,7 +159,8 @@ class RealtimeSession:
             ))
         elif self.item is None:
             return
-        elif turn.kind == "pause":
+        elif turn.kind == "pause":  # an interim decode now would only delay the final
+            self._cancel_interim()
             self._start_final(self.item.segments[-1], self.audio.end)  # early: ready when the turn ends
         elif turn.kind == "resume":
             segment = self.item.segments[-1]
@@ -273,14 +274,10 @@ class RealtimeSession:
         item.sent += delta
         event: dict[str, Any] = {"item_id": item.item_id, "content_index": 0, "delta": delta}
         if self.config.include_logprobs:
-            entries = [self._logprob(token, logprob) for token, logprob in zip(new_tokens, new_logprobs)]
+            entries = [live_decode.logprob_entry(self.tokenizer, *pair) for pair in zip(new_tokens, new_logprobs)]
             item.logprobs.extend(entries)
             event["logprobs"] = entries
         await self.send(server_event("conversation.item.input_audio_transcription.delta", **event))
-
-    def _logprob(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.tokenizer.decode([token])
-        return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
 
     # --- interim decodes --------------------------------------------------------------------
 
@@ -325,7 +322,8 @@ class RealtimeSession:
                 times = None if result.token_times is None else [0.0] * len(segment.stable) + result.token_times
                 latest = (end - segment.start) / SAMPLE_RATE - live_decode.STABLE_MARGIN_S
                 stable = self.words.stable_length(segment.previous, current, len(segment.stable),
-                                                  item.language or result.language, times, latest)
+                                                  item.language or result.language, times, latest,
+                                                  logprobs, live_decode.MIN_STABLE_LOGPROB)
                 if stable > len(segment.stable):
                     await self._extend(item, segment, current[:stable], logprobs[:stable], result.language)
             segment.previous = current
