@@ -1,6 +1,7 @@
 """What the live stable-word rule costs in accuracy, and how early it lets text out.
 
     python benchmarks/live_stability.py [--model tiny.en] [--hop-s 0.7] [--rules 1.0:none,0.5:none,0.5:-1]
+    python benchmarks/live_stability.py --model base --multilingual
 
 Live transcription (entrypoints.live_decode) re-decodes a growing utterance and sends a word
 once two interim decodes in a row agree on it and the word after it begins at least a margin
@@ -17,7 +18,9 @@ speech (from the utterance's first speech, per Silero VAD) had been heard when i
 became stable: the time to the first delta is that plus one decode's latency.
 
 Utterances: the English recordings of ../shared/audio up to 30 s (one Whisper window, as a
-live segment), and Harvard sentences spoken by espeak-ng four at a time (~10 s each)."""
+live segment), and Harvard sentences spoken by espeak-ng four at a time (~10 s each); with
+--multilingual (a multilingual model) also its German, Spanish, French, Italian and Portuguese
+recordings, each decoded in its language and scored apart (Whisper's basic normaliser)."""
 
 from __future__ import annotations
 
@@ -44,37 +47,39 @@ from benchmarks.workloads import HARVARD, SHARED_AUDIO
 MIN_INTERIM_S = 0.5  # the session's first interim decode waits for this much audio
 
 
-def utterances(directory: Path, espeak_count: int) -> list[tuple[str, np.ndarray, str]]:
-    """(name, 16 kHz audio, reference) for every utterance."""
+def utterances(directory: Path, espeak_count: int, multilingual: bool) -> list[tuple[str, np.ndarray, str, str]]:
+    """(name, 16 kHz audio, reference, language) for every utterance."""
     out = []
     manifest = SHARED_AUDIO / "manifest.tsv"
     if manifest.is_file():
         with open(manifest, encoding="utf-8") as file:
             for row in csv.DictReader(file, delimiter="\t"):
-                if row["language"] == "en" and float(row["duration_seconds"]) <= 30 and "[" not in row["reference_transcript"]:
-                    out.append((row["file"], load_audio(SHARED_AUDIO / row["file"]), row["reference_transcript"]))
+                wanted = row["language"] == "en" or multilingual
+                if wanted and float(row["duration_seconds"]) <= 30 and "[" not in row["reference_transcript"]:
+                    out.append((row["file"], load_audio(SHARED_AUDIO / row["file"]), row["reference_transcript"],
+                                row["language"]))
     for index in range(espeak_count):
         text = " ".join(HARVARD[(4 * index + k) % len(HARVARD)] for k in range(4))
         path = directory / f"espeak{index}.wav"
         subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(path), text], check=True, capture_output=True)
-        out.append((path.name, load_audio(path)[:N_SAMPLES], text))
+        out.append((path.name, load_audio(path)[:N_SAMPLES], text, "en"))
     return out
 
 
-def run_round(asr: ASR, requests: dict[str, tuple[np.ndarray, list[int], object]]) -> dict:
-    """Decodes every (audio, prefix, params) at once; request id -> LiveDecode."""
+def run_round(asr: ASR, requests: dict[str, tuple[np.ndarray, list[int], object, str]]) -> dict:
+    """Decodes every (audio, prefix, params, language) at once; request id -> LiveDecode."""
     engine = asr.engine
     collectors = {}
-    for request_id, (audio, prefix, params) in requests.items():
-        engine.add_request(request_id, audio, "en", "transcribe", params, None, prefix, interactive=True)
-        collectors[request_id] = DecodeCollector("en")
+    for request_id, (audio, prefix, params, language) in requests.items():
+        engine.add_request(request_id, audio, language, "transcribe", params, None, prefix, interactive=True)
+        collectors[request_id] = DecodeCollector(language)
     while engine.has_work():
         for output in engine.step():
             collectors[output.request_id].add(output)
     return {request_id: collector.result(asr.tokenizer) for request_id, collector in collectors.items()}
 
 
-def replay(asr: ASR, items: list[tuple[str, np.ndarray, str]], hop_s: float, margin: float | None,
+def replay(asr: ASR, items: list[tuple[str, np.ndarray, str, str]], hop_s: float, margin: float | None,
            min_logprob: float | None) -> dict:
     """The live rule over every utterance (margin None: no interim decodes at all)."""
     words = WordBoundaries(asr.tokenizer)
@@ -83,11 +88,12 @@ def replay(asr: ASR, items: list[tuple[str, np.ndarray, str]], hop_s: float, mar
     previous: list[list[int] | None] = [None for _ in items]
     first_stable_at: list[float | None] = [None for _ in items]
     position = MIN_INTERIM_S
-    while margin is not None and any(position * SAMPLE_RATE < len(audio) for _, audio, _ in items):
+    while margin is not None and any(position * SAMPLE_RATE < len(item[1]) for item in items):
         end = int(position * SAMPLE_RATE)
-        live = [i for i, (_, audio, _) in enumerate(items) if end < len(audio)]
+        live = [i for i, item in enumerate(items) if end < len(item[1])]
         tag = f"m{margin}-l{min_logprob}"
-        results = run_round(asr, {f"{tag}-i{i}-{end}": (items[i][1][:end], stable[i], interim_params()) for i in live})
+        results = run_round(asr, {f"{tag}-i{i}-{end}": (items[i][1][:end], stable[i], interim_params(), items[i][3])
+                                 for i in live})
         for i in live:
             result = results[f"{tag}-i{i}-{end}"]
             if result.no_speech:
@@ -97,7 +103,7 @@ def replay(asr: ASR, items: list[tuple[str, np.ndarray, str]], hop_s: float, mar
             logprobs = stable_logprobs[i] + result.logprobs
             if previous[i] is not None:
                 times = None if result.token_times is None else [0.0] * len(stable[i]) + result.token_times
-                keep = words.stable_length(previous[i], current, len(stable[i]), "en", times, position - margin,
+                keep = words.stable_length(previous[i], current, len(stable[i]), items[i][3], times, position - margin,
                                            logprobs, min_logprob)
                 if keep > len(stable[i]):
                     stable[i], stable_logprobs[i] = current[:keep], logprobs[:keep]
@@ -105,15 +111,15 @@ def replay(asr: ASR, items: list[tuple[str, np.ndarray, str]], hop_s: float, mar
                         first_stable_at[i] = position
             previous[i] = current
         position += hop_s
-    finals = run_round(asr, {f"m{margin}-l{min_logprob}-f{i}": (audio, stable[i], final_params(bool(stable[i])))
-                             for i, (_, audio, _) in enumerate(items)})
+    finals = run_round(asr, {f"m{margin}-l{min_logprob}-f{i}": (item[1], stable[i], final_params(bool(stable[i])), item[3])
+                             for i, item in enumerate(items)})
     texts = [asr.tokenizer.decode(stable[i] + finals[f"m{margin}-l{min_logprob}-f{i}"].token_ids).strip()
              for i in range(len(items))]
-    onsets = [speech_onset(audio) for _, audio, _ in items]
+    onsets = [speech_onset(item[1]) for item in items]
     heard = [at - onset for at, onset in zip(first_stable_at, onsets) if at is not None]
     return {
         "margin_s": margin, "min_logprob": min_logprob, "hop_s": hop_s,
-        "wer": round(corpus_wer([ref for _, _, ref in items], texts, english_normalizer()), 4),
+        **wer_by_language(items, texts),
         "utterances_with_interim_text": len(heard),
         "speech_heard_before_first_words_s": {
             "p50": round(float(np.median(heard)), 2) if heard else None, "max": round(max(heard), 2) if heard else None,
@@ -122,6 +128,18 @@ def replay(asr: ASR, items: list[tuple[str, np.ndarray, str]], hop_s: float, mar
                                            / max(1, sum(len(t.split()) for t in texts)), 3),
         "transcripts": texts,
     }
+
+
+def wer_by_language(items: list[tuple[str, np.ndarray, str, str]], texts: list[str]) -> dict:
+    """"wer": English (Whisper's English normaliser); "wer_other": every other language pooled."""
+    from whisper_normalizer.basic import BasicTextNormalizer
+
+    out = {}
+    for key, english, normalizer in (("wer", True, english_normalizer()), ("wer_other", False, BasicTextNormalizer())):
+        chosen = [i for i, item in enumerate(items) if (item[3] == "en") == english]
+        if chosen:
+            out[key] = round(corpus_wer([items[i][2] for i in chosen], [texts[i] for i in chosen], normalizer), 4)
+    return out
 
 
 def speech_onset(audio: np.ndarray) -> float:
@@ -137,12 +155,13 @@ def main() -> None:
     parser.add_argument("--rules", default="1.0:none,0.5:none,0.5:-1",
                         help="margin:min_logprob, comma-separated; 'none': no confidence floor")
     parser.add_argument("--espeak", type=int, default=8, help="espeak-ng utterances of four sentences")
+    parser.add_argument("--multilingual", action="store_true", help="also the non-English recordings")
     parser.add_argument("--save-result", type=Path, default=None)
     args = parser.parse_args()
     asr = ASR(args.model, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as directory:
-        items = utterances(Path(directory), args.espeak)
-    print(f"{len(items)} utterances, {sum(len(a) for _, a, _ in items) / SAMPLE_RATE:.1f} s; {args.model}, "
+        items = utterances(Path(directory), args.espeak, args.multilingual)
+    print(f"{len(items)} utterances, {sum(len(item[1]) for item in items) / SAMPLE_RATE:.1f} s; {args.model}, "
           f"{str(asr.engine.runner.dtype).removeprefix('torch.')}; an interim decode every {args.hop_s} s of audio")
     rows = []
     rules = [(float(m), None if f == "none" else float(f)) for m, f in (r.split(":") for r in args.rules.split(","))]
@@ -151,11 +170,12 @@ def main() -> None:
         rows.append(row)
         label = "no interim text" if margin is None else f"margin {margin:g} s, floor {min_logprob}"
         heard = row["speech_heard_before_first_words_s"]
-        print(f"{label:>28}: WER {row['wer'] * 100:.1f} %; first words stable after {heard['p50']} s of speech "
+        other = f" (other languages {row['wer_other'] * 100:.1f} %)" if "wer_other" in row else ""
+        print(f"{label:>28}: WER {row['wer'] * 100:.1f} %{other}; first words stable after {heard['p50']} s of speech "
               f"(p50, max {heard['max']}) on {row['utterances_with_interim_text']} utterances; "
               f"{row['words_sent_before_the_end'] * 100:.0f} % of words sent during speech", flush=True)
     if args.save_result:
-        args.save_result.write_text(json.dumps({"model": args.model, "utterances": [n for n, _, _ in items],
+        args.save_result.write_text(json.dumps({"model": args.model, "utterances": [item[0] for item in items],
                                                 "rows": rows}, indent=1) + "\n")
 
 
