@@ -124,6 +124,9 @@ def test_health_version_metrics_are_open(server):
     assert httpx.get(f"{server.url}/version").json()["version"]
     metrics = httpx.get(f"{server.url}/metrics")
     assert metrics.status_code == 200 and "asrserve_kv_cache_blocks_total" in metrics.text
+    # The pool's size is known once the model is loaded, before any request (this module's first test).
+    total = [line for line in metrics.text.splitlines() if line.startswith("asrserve_kv_cache_blocks_total ")]
+    assert float(total[0].split()[1]) > 0, total
 
 
 def test_models_list_and_retrieve(client):

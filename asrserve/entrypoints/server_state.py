@@ -82,6 +82,7 @@ class ServerState:
         from tokenizers import Tokenizer
 
         self.tokenizer = WhisperTokenizer(Tokenizer.from_str(info.tokenizer_json), info.vocab_size, verify=False)
+        self.metrics.kv_cache_blocks_total.set(info.num_kv_blocks)  # before the first engine step reports it
         logger.info(
             "ready: %s (%s) on %s, %s; KV pool %d blocks of %d tokens",
             info.model_name, info.model_source, info.device, info.dtype, info.num_kv_blocks, info.block_size,
