@@ -154,6 +154,19 @@ def hf_detect_language(model, generation: GenerationConfig, audios: list[np.ndar
         return model.detect_language(features, generation_config=generation).tolist()
 
 
+def engine_tokens(engine, audios, language=None, max_tokens=None, prefix="r", **params) -> list[list[int]]:
+    """The engine's output tokens for each audio (requests prefix0, prefix1, ...), run to
+    completion together, without the trailing <|endoftext|>: what hf_greedy's are compared to."""
+    from asrserve.engine.request import SamplingParams
+    from tests.conftest import run_to_completion
+
+    for i, audio in enumerate(audios):
+        engine.add_request(f"{prefix}{i}", audio, language=language,
+                           sampling_params=SamplingParams(max_tokens=max_tokens, **params))
+    tokens = run_to_completion(engine)
+    return [strip_eot(tokens[f"{prefix}{i}"], engine.tokenizer.special.eot) for i in range(len(audios))]
+
+
 def strip_eot(tokens: list[int], eot: int) -> list[int]:
     while tokens and tokens[-1] == eot:
         tokens = tokens[:-1]

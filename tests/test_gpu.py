@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from asrserve.engine.engine_core import EngineCore
-from asrserve.engine.request import SamplingParams
 from asrserve.worker.memory_profile import blocks_per_request
-from tests.conftest import engine_config, run_to_completion
-from tests.hf_reference import hf_greedy, save_random_checkpoint, strip_eot
+from tests.conftest import engine_config
+from tests.hf_reference import engine_tokens, hf_greedy, save_random_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,14 +38,6 @@ def _audios(count: int = 8) -> list[np.ndarray]:
     return audios
 
 
-def _tokens(engine: EngineCore, audios, language=None, max_tokens=None, prefix="r", **params) -> list[list[int]]:
-    for i, audio in enumerate(audios):
-        engine.add_request(f"{prefix}{i}", audio, language=language,
-                           sampling_params=SamplingParams(max_tokens=max_tokens, **params))
-    tokens = run_to_completion(engine)
-    return [strip_eot(tokens[f"{prefix}{i}"], engine.tokenizer.special.eot) for i in range(len(audios))]
-
-
 @pytest.mark.parametrize(
     ("vocab_size", "n_mels", "language"),
     [(51864, 80, None), (51865, 80, "de"), (51866, 128, "fr")],
@@ -59,7 +50,7 @@ def test_cuda_fp32_greedy_matches_transformers(tmp_path, vocab_size, n_mels, lan
 
     engine = EngineCore(engine_config(str(tmp_path), dtype="float32"))
     assert engine.device.type == "cuda"
-    ours = _tokens(engine, audios, language=language, max_tokens=40)
+    ours = engine_tokens(engine, audios, language=language, max_tokens=40)
     assert ours == expected
     assert len({tuple(t) for t in ours}) > 1, "outputs should depend on the audio"
 
@@ -85,8 +76,8 @@ def test_two_engines_share_one_gpu(tmp_path):
     assert first.runner.num_kv_blocks == 8 * blocks_per_request(first.runner)
     assert second.runner.num_kv_blocks == 4 * blocks_per_request(second.runner)
     audios = _audios(4)
-    assert _tokens(first, audios, language="en", max_tokens=10)
-    assert _tokens(second, audios, language="en", max_tokens=10)
+    assert engine_tokens(first, audios, language="en", max_tokens=10)
+    assert engine_tokens(second, audios, language="en", max_tokens=10)
 
 
 def test_gpu_memory_utilization_caps_the_pool(tmp_path):
@@ -119,7 +110,7 @@ def test_word_timestamp_scores_are_kept_on_the_host(tmp_path):
         return sampled
 
     engine.runner.execute = recording_execute
-    _tokens(engine, _audios(2), language="en", max_tokens=8, timestamps=True, word_timestamps=True)
+    engine_tokens(engine, _audios(2), language="en", max_tokens=8, timestamps=True, word_timestamps=True)
     assert seen and all(s.device.type == "cpu" for s in seen)
 
 
@@ -127,13 +118,13 @@ def test_cuda_bf16_steps_are_deterministic(tmp_path):
     save_random_checkpoint(tmp_path, 51865)
     engine = EngineCore(engine_config(str(tmp_path), max_num_seqs=16))
     audios = _audios(12)
-    first = _tokens(engine, audios, language="en", max_tokens=30, prefix="a")
-    second = _tokens(engine, audios, language="en", max_tokens=30, prefix="b")
+    first = engine_tokens(engine, audios, language="en", max_tokens=30, prefix="a")
+    second = engine_tokens(engine, audios, language="en", max_tokens=30, prefix="b")
     assert first == second
 
 
 def test_ignore_eos_decodes_exactly_max_tokens(tmp_path):
     save_random_checkpoint(tmp_path, 51865)
     engine = EngineCore(engine_config(str(tmp_path), max_num_seqs=16))
-    tokens = _tokens(engine, _audios(6), language="en", max_tokens=25, ignore_eos=True)
+    tokens = engine_tokens(engine, _audios(6), language="en", max_tokens=25, ignore_eos=True)
     assert all(len(t) == 25 and engine.tokenizer.special.eot not in t for t in tokens)

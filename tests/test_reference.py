@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from asrserve.engine.engine_core import EngineCore
-from asrserve.engine.request import SamplingParams
-from tests.conftest import SENTENCES, SHARED_AUDIO, engine_config, run_to_completion
+from tests.conftest import SENTENCES, SHARED_AUDIO, engine_config
 from tests.hf_reference import (
     bundled_hf_model,
+    engine_tokens,
     hf_detect_language,
     hf_greedy,
     save_random_checkpoint,
@@ -25,13 +25,6 @@ def _test_audios(speech_audio: list[np.ndarray]) -> list[np.ndarray]:
     return [*speech_audio[:6], tone, noise]
 
 
-def _engine_tokens(engine: EngineCore, audios, language=None, max_tokens=None) -> list[list[int]]:
-    for i, audio in enumerate(audios):
-        engine.add_request(f"r{i}", audio, language=language, sampling_params=SamplingParams(max_tokens=max_tokens))
-    tokens = run_to_completion(engine)
-    return [strip_eot(tokens[f"r{i}"], engine.tokenizer.special.eot) for i in range(len(audios))]
-
-
 @pytest.mark.parametrize(
     ("vocab_size", "n_mels", "language"),
     [(51864, 80, None), (51865, 80, "de"), (51866, 128, "fr")],
@@ -44,7 +37,7 @@ def test_random_checkpoint_matches_transformers(tmp_path, speech_audio, vocab_si
 
     engine = EngineCore(engine_config(str(tmp_path), dtype="float32"))
     assert engine.dims.n_mels == n_mels and engine.dims.n_vocab == vocab_size
-    ours = _engine_tokens(engine, audios, language=language, max_tokens=40)
+    ours = engine_tokens(engine, audios, language=language, max_tokens=40)
     assert ours == expected
     assert len({tuple(t) for t in ours}) > 1, "outputs should depend on the audio"
 
@@ -53,7 +46,7 @@ def test_random_checkpoint_matches_transformers(tmp_path, speech_audio, vocab_si
 def test_bundled_tiny_en_matches_transformers(tiny_en_engine, speech_audio):
     hf_model, generation = bundled_hf_model("tiny.en")
     expected = hf_greedy(hf_model, generation, speech_audio, batch_size=8)
-    ours = _engine_tokens(tiny_en_engine, speech_audio)
+    ours = engine_tokens(tiny_en_engine, speech_audio)
     assert ours == expected
     texts = [tiny_en_engine.tokenizer.decode(t) for t in ours]
     assert "quick brown fox" in texts[1].lower()
@@ -63,7 +56,7 @@ def test_bundled_tiny_en_matches_transformers(tiny_en_engine, speech_audio):
 def test_bundled_tiny_en_transcribes_speech(tiny_en_engine, speech_audio):
     """Exactness against transformers shares our reading of the CTranslate2 weights with the
     reference; the words themselves check that reading independently."""
-    texts = [tiny_en_engine.tokenizer.decode(t) for t in _engine_tokens(tiny_en_engine, speech_audio)]
+    texts = [tiny_en_engine.tokenizer.decode(t) for t in engine_tokens(tiny_en_engine, speech_audio)]
     assert corpus_wer(SENTENCES, texts) < 0.4  # tiny.en on espeak-ng's robotic voice
 
 
@@ -79,7 +72,7 @@ def test_bundled_tiny_en_on_human_speech(tiny_en_engine):
     from asrserve.audio.decode import load_audio
 
     audios = [load_audio(SHARED_AUDIO / r[0]) for r in chosen]
-    texts = [tiny_en_engine.tokenizer.decode(t) for t in _engine_tokens(tiny_en_engine, audios)]
+    texts = [tiny_en_engine.tokenizer.decode(t) for t in engine_tokens(tiny_en_engine, audios)]
     assert len(texts) >= 4
     assert corpus_wer([r[7] for r in chosen], texts) < 0.1
 
