@@ -14,6 +14,10 @@ from pathlib import Path
 from websockets.sync.client import connect
 
 
+# DevTools' answers to a question asked of a page that navigated meanwhile (a link was followed)
+NAVIGATED = ("Inspected target navigated or closed", "Execution context was destroyed")
+
+
 def find_chromium() -> str | None:
     return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 
@@ -90,7 +94,12 @@ class Browser:
         """Polls until the expression is truthy; its value."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError as error:  # the page navigated while it was being asked: ask the new one
+                if not any(reason in str(error) for reason in NAVIGATED):
+                    raise
+                value = None
             if value:
                 return value
             time.sleep(0.2)
