@@ -113,11 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--realtime-max-sessions", type=int, default=32,
                       help="live sessions at once; past this a new one gets an error event and close code 1013")
     live.add_argument("--realtime-interim-interval-s", type=float, default=0.5,
-                      help="seconds between decodes of a growing utterance, whose stable words are sent as "
-                      "deltas while the person speaks (0: text only once the utterance is committed)")
+                      help="seconds from one decode of a growing utterance to the next (at once if a decode "
+                      "takes longer); its stable words are sent as deltas while the person speaks (0: text only "
+                      "once the utterance is committed)")
     live.add_argument("--realtime-max-interim-decodes", type=int, default=None,
-                      help="interim decodes in flight across all sessions; a session skips its interim while "
-                      "they are taken, so final transcripts are not crowded out (default: one per two CPU cores)")
+                      help="interim decodes in flight across all sessions; sessions take turns for them, so "
+                      "final transcripts are not crowded out (default: one per two CPU cores)")
     live.add_argument("--realtime-idle-timeout-s", type=float, default=120.0,
                       help="a session that sends no event for this long is closed")
     live.add_argument("--realtime-max-buffer-s", type=float, default=300.0,

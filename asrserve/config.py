@@ -168,8 +168,8 @@ class ServerConfig:
     chunking_strategy: object | None = None
     # Live transcription (WS /v1/realtime): sessions at once (past this a new one is refused
     # with an error event and close code 1013); seconds without a client event before a session
-    # is closed; longest uncommitted audio; seconds between interim decodes of a growing
-    # utterance (0: text only once it is committed).
+    # is closed; longest uncommitted audio; seconds from the start of one interim decode of a
+    # growing utterance to the next (0: text only once it is committed).
     realtime_max_sessions: int = 32
     realtime_idle_timeout_s: float = 120.0
     realtime_max_buffer_s: float = 300.0

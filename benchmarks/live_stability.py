@@ -1,6 +1,6 @@
 """What the live stable-word rule costs in accuracy, and how early it lets text out.
 
-    python benchmarks/live_stability.py [--model tiny.en] [--hop-s 0.7] [--rules 1.0:none,0.5:none,0.5:-1]
+    python benchmarks/live_stability.py [--model tiny.en] [--hop-s 0.5] [--rules 1.0:none,0.5:none,0.5:-1]
     python benchmarks/live_stability.py --model base --multilingual
 
 Live transcription (entrypoints.live_decode) re-decodes a growing utterance and sends a word
@@ -8,9 +8,9 @@ once two interim decodes in a row agree on it and the word after it begins at le
 (STABLE_MARGIN_S) before the end of the audio decoded; sent words are the forced prefix of
 every later decode, the final one included, so a word sent wrong stays wrong. This replays that
 rule offline, deterministically and without real time: an interim decode every `hop` seconds of
-audio (the session's interval plus one decode's latency: ~0.7 s with 2 bf16 cores or a GPU,
-~1.0 s with 2 float32 cores), the server's own interim and final parameters, every utterance's
-decode of one round batched together. For each rule (margin:min_logprob, the confidence floor
+audio (the session's 0.5 s interval, or one decode's latency where that is longer: 0.5 s with
+2 bf16 cores or a GPU, ~0.5-0.9 s with 2 float32 cores), the server's own interim and final
+parameters, every utterance's decode of one round batched together. For each rule (margin:min_logprob, the confidence floor
 of WordBoundaries.stable_length; "none" for no floor) it prints the WER of the live
 transcripts (what `completed` says) against the references, next to the WER of one decode of
 the whole utterance (no interim text: what a file upload or manual commit gives), and how much
@@ -151,7 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--hop-s", type=float, default=0.7)
+    parser.add_argument("--hop-s", type=float, default=0.5)
     parser.add_argument("--rules", default="1.0:none,0.5:none,0.5:-1",
                         help="margin:min_logprob, comma-separated; 'none': no confidence floor")
     parser.add_argument("--espeak", type=int, default=8, help="espeak-ng utterances of four sentences")

@@ -1,11 +1,13 @@
 """The pieces of live transcription without a server: the streaming VAD and turns, input audio
-formats, session.update validation, the stable-word rule, and the interactive class of the
-engine's waiting queue."""
+formats, session.update validation, the stable-word rule, the interim decodes' cadence and
+turns, and the interactive class of the engine's waiting queue."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from asrserve.audio.vad import WINDOW, speech_probabilities
 from asrserve.engine.request import Request, SamplingParams
 from asrserve.engine.waiting_queue import WaitingQueue
 from asrserve.entrypoints.live_decode import WordBoundaries
+from asrserve.entrypoints.live_item import RealtimeOptions
 from asrserve.entrypoints.realtime_protocol import (
     InputAudioDecoder,
     RealtimeError,
@@ -23,6 +26,7 @@ from asrserve.entrypoints.realtime_protocol import (
     _alaw_table,
     _mulaw_table,
 )
+from asrserve.entrypoints.realtime_session import RealtimeSession
 from tests.conftest import synthesize
 
 
@@ -203,3 +207,92 @@ def test_waiting_queue_serves_live_decodes_first_and_gives_file_work_its_share()
     queue.appendleft(files[2])
     queue.append(live[0])
     assert [r.request_id for r in queue] == ["live0", "file2", "file3"]
+
+
+class _SlowEngine:
+    """An engine stand-in whose every decode takes `seconds` and hears nothing; it logs which
+    session started a decode and when it started and ended (event-loop time)."""
+
+    def __init__(self, name: str, seconds: float, log: list):
+        self.name, self.seconds, self.log = name, seconds, log
+
+    def add(self, requests):
+        return [self._decode() for _ in requests]
+
+    async def _decode(self):
+        clock = asyncio.get_running_loop()
+        start = clock.time()
+        await asyncio.sleep(self.seconds)
+        self.log.append((self.name, start, clock.time()))
+        yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[],
+                              new_logprobs=[], language="en", summary=None, finished=True)
+
+    def abort(self, request_ids):
+        pass
+
+
+def _interim_decodes(decode_s: float, interval_s: float, sessions: int, seconds: float,
+                     final: tuple[float, float] | None = None) -> list:
+    """Live sessions (manual commits, so no VAD) sharing one interim slot, each fed 0.1 s of
+    audio every 50 ms for `seconds`, while another session's final decode runs from `final[0]`
+    to `final[1]` s: the log of their interim decodes (the final's times in loop time first)."""
+    log: list = []
+
+    async def a_final(start: float, end: float):
+        await asyncio.sleep(start)
+        task = asyncio.ensure_future(asyncio.sleep(end - start))
+        options.finals.track(task)
+        clock = asyncio.get_running_loop()
+        log.insert(0, ("final", clock.time(), clock.time() + end - start))
+        await task
+
+    async def scenario():
+        nonlocal options
+        options = RealtimeOptions(interim_interval_s=interval_s, interim_slots=asyncio.Semaphore(1))
+        if final is not None:
+            asyncio.ensure_future(a_final(*final))
+        live = [RealtimeSession(f"s{i}", SessionConfig(rate=24_000, turn_detection=None), options,
+                                _SlowEngine(f"s{i}", decode_s, log), SimpleNamespace(special=SimpleNamespace(eot=1)),
+                                send=None, run_vad=None, metrics=None) for i in range(sessions)]
+        chunk = base64.b64encode(np.zeros(2_400, "<i2").tobytes()).decode()
+        clock = asyncio.get_running_loop()
+        until = clock.time() + seconds
+        while clock.time() < until:
+            for session in live:
+                await session.handle({"type": "input_audio_buffer.append", "audio": chunk})
+            await asyncio.sleep(0.05)
+        for session in live:
+            session.close()
+
+    options = None
+    asyncio.run(scenario())
+    return log
+
+
+def test_interim_decodes_are_spaced_from_start_to_start():
+    # quicker than the interval: one every interval, not every interval + decode
+    log = _interim_decodes(decode_s=0.3, interval_s=0.4, sessions=1, seconds=2.4)
+    starts = [start for _, start, _ in log]
+    assert len(starts) >= 4, log
+    assert max(b - a for a, b in zip(starts, starts[1:])) < 0.55, starts
+    # slower than the interval: the next decode starts as soon as the last one ends
+    log = _interim_decodes(decode_s=0.4, interval_s=0.2, sessions=1, seconds=2.4)
+    assert len(log) >= 4, log
+    assert max(start - end for (_, _, end), (_, start, _) in zip(log, log[1:])) < 0.1, log
+
+
+def test_live_sessions_take_the_interim_slot_in_turn():
+    # each session would decode back to back on its own: sharing one slot, they alternate
+    log = _interim_decodes(decode_s=0.3, interval_s=0.1, sessions=2, seconds=2.4)
+    names = [name for name, _, _ in log]
+    assert len(names) >= 5, log
+    assert all(a != b for a, b in zip(names, names[1:])), names
+
+
+def test_interim_decodes_wait_while_a_final_decode_runs():
+    log = _interim_decodes(decode_s=0.1, interval_s=0.1, sessions=2, seconds=2.4, final=(0.8, 1.6))
+    (_, final_start, final_end), interims = log[0], log[1:]
+    assert any(start < final_start for _, start, _ in interims), log
+    assert any(start >= final_end for _, start, _ in interims), log
+    assert not [start for _, start, _ in interims if final_start < start < final_end], log
+

@@ -9,6 +9,31 @@ from typing import Any
 
 import numpy as np
 
+from asrserve.config import SAMPLE_RATE
+
+
+class FinalsInFlight:
+    """The final decodes running across all sessions. Interim decodes wait while any runs: a
+    final is what someone waits for at the end of a turn, an interim only brings text forward,
+    and on a small CPU the two would share its cores. When finals follow one another without a
+    gap (an overloaded machine), interim text is what is shed: speakers then get their text at
+    the end of each turn. (A bounded wait, tried, measured worse; docs/benchmarks.md.)"""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.none = asyncio.Event()
+        self.none.set()
+
+    def track(self, final: asyncio.Task) -> None:
+        self.count += 1
+        self.none.clear()
+        final.add_done_callback(self._done)
+
+    def _done(self, _: asyncio.Task) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.none.set()
+
 
 @dataclass
 class RealtimeOptions:
@@ -17,8 +42,9 @@ class RealtimeOptions:
     max_buffer_s: float = 300  # longest uncommitted item
     # Interim decodes in flight across all sessions: each is a full encoder forward, so on a
     # small CPU a few sessions' interims would crowd out the final decodes that users wait
-    # for. A session skips its interim while the slots are taken (its text then comes later).
+    # for. Sessions wait their turn for a slot (first come, first served).
     interim_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    finals: FinalsInFlight = field(default_factory=FinalsInFlight)
 
 
 @dataclass
@@ -68,6 +94,11 @@ class SessionAudio:
         if offset > self.origin:
             audio = self.slice(offset, self.end)
             self._chunks, self.origin = [audio], offset
+
+
+def sample_ms(sample: int) -> int:
+    """A 16 kHz sample offset in whole milliseconds (the protocol's audio_start_ms, audio_end_ms)."""
+    return sample * 1000 // SAMPLE_RATE
 
 
 def user_item(item_id: str, transcript: str | None, status: str) -> dict[str, Any]:

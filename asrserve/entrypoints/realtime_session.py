@@ -21,7 +21,7 @@ from asrserve.audio.streaming_vad import TurnDetector, TurnEvent, VADStream
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
 from asrserve.entrypoints import live_decode
 from asrserve.entrypoints.live_decode import LiveDecode, WordBoundaries
-from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, user_item
+from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, sample_ms, user_item
 from asrserve.entrypoints.pieces import separator_for
 from asrserve.entrypoints.protocol import usage_duration
 from asrserve.entrypoints.realtime_protocol import (
@@ -155,7 +155,8 @@ class RealtimeSession:
         if turn.kind == "start" and self.item is None:
             self.item = self._new_item(max(self.audio.origin, sample - self._padding))
             await self.send(server_event(
-                "input_audio_buffer.speech_started", audio_start_ms=_ms(self.item.start), item_id=self.item.item_id,
+                "input_audio_buffer.speech_started", audio_start_ms=sample_ms(self.item.start),
+                item_id=self.item.item_id,
             ))
         elif self.item is None:
             return
@@ -169,7 +170,7 @@ class RealtimeSession:
                 segment.final = None
         elif turn.kind == "stop":
             item = self.item
-            await self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=_ms(sample),
+            await self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=sample_ms(sample),
                                          item_id=item.item_id))
             await self._finish_item(item, sample)
 
@@ -219,6 +220,7 @@ class RealtimeSession:
             self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
             live_decode.final_params(bool(segment.stable)),
         ))
+        self.options.finals.track(segment.final)
 
     def _emit_final(self, item: Item, segment: Segment) -> None:
         """Sends the segment's final text once the segments before it have sent theirs."""
@@ -291,22 +293,26 @@ class RealtimeSession:
             self._interim = None
 
     async def _interim_loop(self) -> None:
-        """Decodes the open segment every interim_interval_s (one decode at a time) while an
-        item is open; ends with it."""
+        """Decodes the open segment while an item is open, one decode at a time, each due
+        interim_interval_s after the last one started (at once if that one took longer), so
+        text keeps pace with speech even when a decode takes about the interval. Sessions
+        take the engine's interim slots in turn (first come, first served) and wait while any
+        session's final decode runs; ends with the item."""
+        clock = asyncio.get_running_loop()
+        due = clock.time() + self.options.interim_interval_s
         while (item := self.item) is not None:
-            await asyncio.sleep(self.options.interim_interval_s)
-            if self.item is not item:
-                return
-            segment = item.segments[-1]
-            end = self.audio.end
-            if (segment.final is not None or end - segment.start < MIN_INTERIM_SAMPLES
-                    or end - segment.decoded_until < SAMPLE_RATE // 5
-                    or any(not s.emitted.done() for s in item.segments[:-1])):
-                continue  # a final runs, too little audio, too little new, or an earlier segment pending
-            if self.options.interim_slots.locked():
-                continue  # other sessions' interim decodes are using the engine's share
-            segment.decoded_until = end
+            await asyncio.sleep(max(0.0, due - clock.time()))
             async with self.options.interim_slots:
+                await self.options.finals.none.wait()  # finals first
+                due = clock.time() + self.options.interim_interval_s
+                if self.item is not item:
+                    return
+                segment, end = item.segments[-1], self.audio.end
+                if (segment.final is not None or end - segment.start < MIN_INTERIM_SAMPLES
+                        or end - segment.decoded_until < SAMPLE_RATE // 5
+                        or any(not s.emitted.done() for s in item.segments[:-1])):
+                    continue  # a final runs, too little audio, too little new, or an earlier segment pending
+                segment.decoded_until = end
                 result = await live_decode.decode(
                     self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
                     self.config.prompt, segment.stable, live_decode.interim_params(),
@@ -341,7 +347,3 @@ class RealtimeSession:
         self._cancel_interim()
         for task in list(self._tasks):
             task.cancel()
-
-
-def _ms(sample: int) -> int:
-    return sample * 1000 // SAMPLE_RATE
