@@ -10,12 +10,13 @@ every later decode, the final one included, so a word sent wrong stays wrong. Th
 rule offline, deterministically and without real time: an interim decode every `hop` seconds of
 audio (the session's 0.5 s interval, or one decode's latency where that is longer: 0.5 s with
 2 bf16 cores or a GPU, ~0.5-0.9 s with 2 float32 cores), the server's own interim and final
-parameters, every utterance's decode of one round batched together. For each rule (margin:min_logprob, the confidence floor
-of WordBoundaries.stable_length; "none" for no floor) it prints the WER of the live
-transcripts (what `completed` says) against the references, next to the WER of one decode of
-the whole utterance (no interim text: what a file upload or manual commit gives), and how much
-speech (from the utterance's first speech, per Silero VAD) had been heard when its first words
-became stable: the time to the first delta is that plus one decode's latency.
+parameters, every utterance's decode of one round batched together. For each rule
+(margin:min_logprob, the confidence floor of WordBoundaries.stable_length; "none" for no
+floor) it prints the WER of the live transcripts (what `completed` says) against the
+references, next to the WER of one decode of the whole utterance (no interim text: what a file
+upload or manual commit gives), and how much speech (from the utterance's first speech, per
+Silero VAD) had been heard when its first words became stable: the time to the first delta is
+that plus one decode's latency.
 
 Utterances: the English recordings of ../shared/audio up to 30 s (one Whisper window, as a
 live segment), and Harvard sentences spoken by espeak-ng four at a time (~10 s each); with

@@ -61,8 +61,7 @@ def greedy(model, generation, hidden: torch.Tensor) -> list[int]:
     out = model.generate(encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
                          decoder_input_ids=torch.tensor([prompt]), generation_config=generation,
                          return_timestamps=False)
-    tokens = out[0].tolist()[len(prompt):] if out[0].tolist()[:len(prompt)] == prompt else out[0].tolist()
-    return [t for t in tokens if t < generation.eos_token_id]
+    return [t for t in out[0].tolist() if t < generation.eos_token_id]  # the prompt too, if returned
 
 
 def cut_at_repetition(text: str, n: int = 4) -> str:
@@ -115,7 +114,7 @@ def main() -> None:
     pads = [float(p) for p in args.pad_s.split(",")]
     full: list[str] = []
     short: dict[float, list[str]] = {pad: [] for pad in pads}
-    seconds: dict[str, list[float]] = {"full": [], **{str(pad): [] for pad in pads}}
+    seconds: dict[float | None, list[float]] = {None: [], **{pad: [] for pad in pads}}  # encoder, None: full
     utterance_of: list[int] = []
     for index, (name, audio, _, _) in enumerate(items):
         end = MIN_INTERIM_S
@@ -124,35 +123,33 @@ def main() -> None:
             features = extractor(prefix, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
             started = time.perf_counter()
             hidden = encode(model, features, 1500)
-            seconds["full"].append(time.perf_counter() - started)
+            seconds[None].append(time.perf_counter() - started)
             full.append(tokenizer.decode(greedy(model, generation, hidden)).strip())
             utterance_of.append(index)
             for pad in pads:
                 positions = min(1500, int(np.ceil((end + pad) * FRAMES_PER_SECOND)))
                 started = time.perf_counter()
                 hidden = encode(model, features, positions)
-                seconds[str(pad)].append(time.perf_counter() - started)
+                seconds[pad].append(time.perf_counter() - started)
                 short[pad].append(tokenizer.decode(greedy(model, generation, hidden)).strip())
             end += args.hop_s
         print(f"{name}: {len(full)} prefixes so far", flush=True)
     normalizer = english_normalizer()
     pairs = [(i, i + 1) for i in range(len(full) - 1) if utterance_of[i] == utterance_of[i + 1]]
     kept = kept_by_next_decode(full, full, pairs, normalizer)
-    rows = [{"context": "30 s window", "encoder_ms_mean": round(1000 * float(np.mean(seconds["full"])), 1),
+    rows = [{"context": "30 s window", "encoder_ms_mean": round(1000 * float(np.mean(seconds[None])), 1),
              "kept_by_next_decode": round(kept, 3)}]
     print(f"{len(items)} utterances, {len(full)} prefixes one {args.hop_s} s hop apart; {args.model}, float32")
     print(f"  full 30 s window: encoder {rows[0]['encoder_ms_mean']} ms per decode (mean); the next decode begins with "
           f"{kept * 100:.0f} % of its words but the last two")
-    for pad in list(pads):
-        short[-pad] = [cut_at_repetition(text) for text in short[pad]]
-        seconds[str(-pad)] = seconds[str(pad)]
-        pads.append(-pad)
-    for pad in pads:
-        label = f"prefix + {pad:g} s" if pad > 0 else f"prefix + {-pad:g} s, cut where it repeats"
-        same = sum(normalizer(a) == normalizer(b) for a, b in zip(full, short[pad])) / len(full)
-        wer = corpus_wer(full, short[pad], normalizer)
-        kept = kept_by_next_decode(short[pad], full, pairs, normalizer)
-        row = {"context": label, "encoder_ms_mean": round(1000 * float(np.mean(seconds[str(pad)])), 1),
+    variants = [(f"prefix + {pad:g} s", short[pad], pad) for pad in pads]
+    variants += [(f"prefix + {pad:g} s, cut where it repeats", [cut_at_repetition(t) for t in short[pad]], pad)
+                 for pad in pads]
+    for label, texts, pad in variants:
+        same = sum(normalizer(a) == normalizer(b) for a, b in zip(full, texts)) / len(full)
+        wer = corpus_wer(full, texts, normalizer)
+        kept = kept_by_next_decode(texts, full, pairs, normalizer)
+        row = {"context": label, "encoder_ms_mean": round(1000 * float(np.mean(seconds[pad])), 1),
                "same_text": round(same, 3), "wer_against_full_window": round(wer, 4),
                "kept_by_next_decode": round(kept, 3)}
         rows.append(row)
@@ -160,7 +157,7 @@ def main() -> None:
               f"window on {same * 100:.0f} % of prefixes; WER against it {wer * 100:.1f} %; the next full-window "
               f"decode begins with {kept * 100:.0f} % of its words but the last two")
     if args.save_result:
-        texts = [{"full": a, **{f"pad {pad:g}": short[pad][i] for pad in pads if pad > 0}} for i, a in enumerate(full)]
+        texts = [{"full": a, **{f"pad {pad:g}": short[pad][i] for pad in pads}} for i, a in enumerate(full)]
         args.save_result.write_text(json.dumps({"command": " ".join(sys.argv), "model": args.model, "hop_s": args.hop_s,
                                                 "prefixes": len(full), "rows": rows, "texts": texts}, indent=1) + "\n")
 

@@ -237,6 +237,7 @@ def _interim_decodes(decode_s: float, interval_s: float, sessions: int, seconds:
     audio every 50 ms for `seconds`, while another session's final decode runs from `final[0]`
     to `final[1]` s: the log of their interim decodes (the final's times in loop time first)."""
     log: list = []
+    options = RealtimeOptions(interim_interval_s=interval_s, interim_slots=asyncio.Semaphore(1))
 
     async def a_final(start: float, end: float):
         await asyncio.sleep(start)
@@ -247,8 +248,6 @@ def _interim_decodes(decode_s: float, interval_s: float, sessions: int, seconds:
         await task
 
     async def scenario():
-        nonlocal options
-        options = RealtimeOptions(interim_interval_s=interval_s, interim_slots=asyncio.Semaphore(1))
         if final is not None:
             asyncio.ensure_future(a_final(*final))
         live = [RealtimeSession(f"s{i}", SessionConfig(rate=24_000, turn_detection=None), options,
@@ -264,7 +263,6 @@ def _interim_decodes(decode_s: float, interval_s: float, sessions: int, seconds:
         for session in live:
             session.close()
 
-    options = None
     asyncio.run(scenario())
     return log
 
