@@ -8,9 +8,10 @@ encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross
 over 1500 encoder positions for N decoding requests, torch's SDPA against our head-major
 matmuls (copies included), in bfloat16. Decode step: the whole decoder forward and the logits
 for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16),
-as the engine ran it before cross-attention was read in place (K/V gathered per step, logits
-as hidden @ weight.T) and as it runs now, with the requests' cross slots side by side and
-scattered (every other slot: one attention call per request).
+as the engine runs it (linears through oneDNN over packed weights, steps unpadded) with the
+requests' cross slots side by side and scattered (every other slot: one attention call per
+request), and with MKL's linears and steps padded to 16 rows as it ran before. Run in a tree
+from before cross-attention was read in place, the engine path is that tree's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from asrserve.model import whisper
 from asrserve.model.attention import GatherBuffers, _attention_head_major
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
+from asrserve.model.packed_linear import pack_whisper_linears
 from asrserve.worker.input_batch import DecoderInputBuilder
 
 
@@ -60,7 +62,11 @@ def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
     rows = []
     fp32 = load_model(ModelConfig(), cpu, torch.float32).model.encoder
     mel = torch.randn(batch, 80, 3000, generator=torch.Generator().manual_seed(0))
-    rows.append(("float32, SDPA", per_call_ms(lambda: fp32(mel), repeats) / batch))
+    rows.append(("float32, SDPA, MKL linears", per_call_ms(lambda: fp32(mel), repeats) / batch))
+    packed = load_model(ModelConfig(), cpu, torch.float32).model
+    if pack_whisper_linears(packed):
+        rows.append(("float32, SDPA, oneDNN packed linears (the default without bf16)",
+                     per_call_ms(lambda: packed.encoder(mel), repeats) / batch))
     bf16 = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
     mel16 = mel.bfloat16()
     fast_path = whisper.attention_by_head
@@ -101,6 +107,10 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list
     cpu = torch.device("cpu")
     loaded = load_model(ModelConfig(), cpu, torch.float32)
     decoder, dims = loaded.model.decoder, loaded.model.dims
+    # The engine's float32 CPU path packs the linears and runs steps unpadded; the MKL model
+    # with steps padded to 16 rows is how it ran before (packed_linear.py).
+    mkl_decoder = load_model(ModelConfig(), cpu, torch.float32).model.decoder
+    packed = pack_whisper_linears(loaded.model)
     special = loaded.tokenizer.special
     prompt = [special.sot, special.no_timestamps, *range(400, 443)]
     has_reference = "cross_in_place" in inspect.signature(DecoderInputBuilder).parameters
@@ -119,13 +129,16 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list
             for request in admitted[1::spacing] if spacing > 1 else ():
                 blocks.free(request)
             batch = admitted[::spacing]
-            variants = [(f"engine path, {layout}", {})]
+            padding = 0 if packed else 8
+            variants = [(f"engine path, {layout}", decoder, padding, {})]
+            if spacing == 1 and packed:
+                variants.append(("MKL linears, rows padded to 16 (before)", mkl_decoder, 8, {}))
             if has_reference and spacing == 1:
-                variants.append(("gathered reference", {"cross_in_place": False}))
-            for name, options in variants:
-                builder = DecoderInputBuilder(block_size, dims.n_audio_ctx, 0, {}, cpu, **options)
+                variants.append(("gathered reference", decoder, padding, {"cross_in_place": False}))
+            for name, decoder_variant, padding_multiple, options in variants:
+                builder = DecoderInputBuilder(block_size, dims.n_audio_ctx, padding_multiple, {}, cpu, **options)
 
-                def step(builder=builder, batch=batch, kv_cache=kv_cache):
+                def step(builder=builder, batch=batch, kv_cache=kv_cache, decoder=decoder_variant):
                     inputs = builder.build(batch)
                     hidden = decoder(inputs.input_ids, inputs.positions, kv_cache, inputs.metadata)
                     return decoder.compute_logits(hidden[inputs.logits_indices])

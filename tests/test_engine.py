@@ -51,6 +51,35 @@ def test_tokens_do_not_depend_on_the_batch(tiny_en_engine, speech_audio, alone_t
     assert_idle_and_clean(tiny_en_engine)
 
 
+def _scores_by_request(engine) -> dict[str, tuple[list[float], float | None]]:
+    """Each request's per-token log-probabilities and its P(no speech)."""
+    logprobs: dict[str, list[float]] = {}
+    no_speech: dict[str, float | None] = {}
+    while engine.has_work():
+        for output in engine.step():
+            logprobs.setdefault(output.request_id, []).extend(output.new_logprobs)
+            if output.summary is not None:
+                no_speech[output.request_id] = output.summary.no_speech_prob
+    return {request_id: (values, no_speech[request_id]) for request_id, values in logprobs.items()}
+
+
+def test_logprobs_have_the_same_bits_alone_and_in_a_batch(tiny_en_engine, speech_audio):
+    # Stricter than equal tokens: every log-probability (what fallback, avg_logprob and the
+    # timestamp rules read) and P(no speech) must not move by a bit with the batch. On CPU the
+    # runner packs the linears for oneDNN and runs steps unpadded (packed_linear.py); MKL's
+    # GEMMs fail this, padded to 16 rows or not.
+    audios = speech_audio[:5]
+    alone = []
+    for i, audio in enumerate(audios):
+        tiny_en_engine.add_request(f"lp-alone-{i}", audio)
+        alone.append(_scores_by_request(tiny_en_engine)[f"lp-alone-{i}"])
+    assert all(no_speech is not None for _, no_speech in alone)
+    ids = _submit_all(tiny_en_engine, audios, "lp-together")
+    together = _scores_by_request(tiny_en_engine)
+    assert [together[i] for i in ids] == alone
+    assert_idle_and_clean(tiny_en_engine)
+
+
 def test_tokens_survive_preemption(speech_audio, alone_tokens):
     # Blocks of 4 tokens: cross-attention takes 375, so a pool of 3 * 375 + 4 admits three
     # requests and has to preempt as soon as they grow.

@@ -18,6 +18,7 @@ from asrserve.model.attention import (
     write_cross_kv,
     write_kv,
 )
+from asrserve.model.packed_linear import packed_linear
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,7 @@ class TextDecoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d_model)
         self._fp32_output_weight: torch.Tensor | None = None  # 16-bit weights: see compute_logits
         self._mm_out_fp32 = True
+        self.packed_output_weight: torch.Tensor | None = None  # CPU: see packed_linear.py
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -230,9 +232,11 @@ class TextDecoder(nn.Module):
         # transcripts of real speech equal its fp32 ones (benchmarks/dtype_accuracy.py); the
         # step pays ~2 ms for reading twice the bytes.
         #
-        # On CPU the product runs as weight @ hidden.T: for a few rows against the 52k-token
-        # vocabulary MKL's kernel for hidden @ weight.T repacks the whole 80 MB weight on every
-        # call, and the step's logits take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
+        # On CPU it runs over the oneDNN-packed copy when the runner packed the model's linears
+        # (packed_linear.py: the same bits at any row count, and quicker). Otherwise as
+        # weight @ hidden.T: for a few rows against the 52k-token vocabulary MKL's kernel for
+        # hidden @ weight.T repacks the whole 80 MB weight on every call, and the step's logits
+        # take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
         #
         # On CUDA the same holds; there cuBLAS multiplies the 16-bit operands and writes fp32
         # (out_dtype): the same sums as over fp32 copies, without an fp32 GEMM (turbo, 256
@@ -249,6 +253,8 @@ class TextDecoder(nn.Module):
             weight = self._fp32_output_weight
         if hidden.device.type != "cpu":
             return F.linear(hidden.float(), weight)
+        if self.packed_output_weight is not None:
+            return packed_linear(hidden.float(), self.packed_output_weight, None)
         return torch.mm(weight, hidden.float().T).T.contiguous()
 
 

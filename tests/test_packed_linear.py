@@ -1,0 +1,91 @@
+"""float32 CPU linears through oneDNN over packed weights (asrserve/model/packed_linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asrserve.model import packed_linear
+from asrserve.model.packed_linear import PackedLinear, pack_linears, pack_weight, rows_independent_of_batch
+
+needs_onednn = pytest.mark.skipif(
+    pack_weight(torch.zeros(8, 8)) is None, reason="this torch or CPU has no oneDNN linear"
+)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(48, 96)
+        self.down = nn.Linear(96, 40, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@needs_onednn
+def test_a_packed_model_computes_what_nn_linear_does():
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    x = torch.randn(7, 48)
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_linears(model)
+    assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
+    assert model.down.bias is None
+    with torch.inference_mode():
+        got = model(x)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # [batch, length, features] inputs, as the encoder passes them
+        torch.testing.assert_close(model(x.view(1, 7, 48))[0], expected, rtol=1e-5, atol=1e-5)
+    assert pack_linears(model), "packing a packed model again is a no-op"
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(51864, 384), (1152, 384), (384, 1536), (2048, 512)])
+def test_rows_have_the_same_bits_at_every_batch_size(shape):
+    # What the runner relies on to run decoder steps unpadded: checked here on Whisper's
+    # shapes (tiny.en's output projection and layers, base's MLP), a row at a time.
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05
+    packed = pack_weight(weight)
+    x = torch.randn(40, shape[1], generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        batched = packed_linear.packed_linear(x, packed, None)
+        for row in (0, 17, 39):
+            alone = packed_linear.packed_linear(x[row : row + 1], packed, None)
+            assert torch.equal(alone[0], batched[row])
+        torch.testing.assert_close(batched, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_a_kernel_whose_rows_depend_on_the_batch_is_not_used(monkeypatch):
+    exact = packed_linear.packed_linear
+
+    def batch_dependent(x, packed, bias):  # rounding that moves with the row count
+        out = exact(x, packed, bias)
+        return out + 1e-6 * (x.shape[0] % 3)
+
+    monkeypatch.setattr(packed_linear, "packed_linear", batch_dependent)
+    weight = torch.randn(32, 16)
+    assert not rows_independent_of_batch(pack_weight(weight), None, 16)
+    model = _TwoLayers()
+    assert not pack_linears(model)
+    assert isinstance(model.up, nn.Linear) and isinstance(model.down, nn.Linear), "all or nothing"
+
+
+def test_only_float32_cpu_weights_are_packed():
+    assert pack_weight(torch.zeros(8, 8, dtype=torch.float16)) is None
+    assert pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is None
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_the_cpu_engine_runs_packed_and_unpadded(tiny_en_engine):
+    # The fast, invariant path is the one taken on a CPU like CI's, not a silent fallback.
+    runner = tiny_en_engine.runner
+    assert runner.linears_packed
+    assert runner.decoder_inputs.padding_multiple == 0
+    assert runner.model.decoder.packed_output_weight is not None
+    assert not any(isinstance(m, nn.Linear) for m in runner.model.modules())
