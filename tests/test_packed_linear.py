@@ -67,12 +67,25 @@ def test_a_kernel_whose_rows_depend_on_the_batch_is_not_used(monkeypatch):
         out = exact(x, packed, bias)
         return out + 1e-6 * (x.shape[0] % 3)
 
-    monkeypatch.setattr(packed_linear, "packed_linear", batch_dependent)
     weight = torch.randn(32, 16)
-    assert not rows_independent_of_batch(pack_weight(weight), None, 16)
+    assert rows_independent_of_batch(weight, pack_weight(weight), None, 100), "the exact kernel passes"
+    monkeypatch.setattr(packed_linear, "packed_linear", batch_dependent)
+    assert not rows_independent_of_batch(weight, pack_weight(weight), None, 100)
     model = _TwoLayers()
-    assert not pack_linears(model)
+    packed_linear.kernel_rows_independent.cache_clear()  # the answers of the tests before
+    try:
+        assert not pack_linears(model)
+    finally:
+        packed_linear.kernel_rows_independent.cache_clear()  # not this kernel's for the tests after
     assert isinstance(model.up, nn.Linear) and isinstance(model.down, nn.Linear), "all or nothing"
+
+
+@needs_onednn
+def test_a_kernel_that_computes_another_product_is_not_used(monkeypatch):
+    exact = packed_linear.packed_linear
+    monkeypatch.setattr(packed_linear, "packed_linear", lambda x, packed, bias: exact(x, packed, bias) * 1.01)
+    weight = torch.randn(32, 16)
+    assert not rows_independent_of_batch(weight, pack_weight(weight), None, 100)
 
 
 def test_only_float32_cpu_weights_are_packed():

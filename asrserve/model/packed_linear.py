@@ -11,28 +11,39 @@ Two reasons, both measured on tiny.en (2 AVX2 cores, float32; docs/benchmarks.md
    bits whatever the row count and wherever it sits (1 to 300 rows checked, every Whisper
    shape), so steps run on their real rows and every log-probability is batch-invariant.
 2. **Speed.** The output projection for 1-16 rows takes 6-10 ms instead of 10-25, and the
-   encoder's 1500-row GEMMs are 10-30% quicker.
+   encoder's 1500-row GEMMs are 10-30% quicker (the whole encoder ~5-10%).
 
 Row independence is a property of the kernel oneDNN picks for this CPU, not a documented
-promise, so it is checked for every weight shape before packing; where it does not hold, the
-decoder is left to MKL and the runner keeps padding (`batch_invariant_padding`). A packed
-weight replaces its linear's (an opaque oneDNN tensor); the output projection's is a second
-copy, since the token embedding still reads the original.
+promise, so it is checked for every weight shape before packing, once per shape and process
+(row counts up to 64 against the same rows of a 3000-row product, 256 for the output
+projection, two of them at the far end of the batch; and the product against F.linear).
+Where it does not hold, the decoder is left to MKL and the runner keeps padding
+(`batch_invariant_padding`). A packed weight replaces its linear's (an opaque oneDNN tensor);
+the output projection's is a second copy, since the token embedding still reads the original.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Row counts compared with the rows of one 64-row product: alone, small batches, both sides of
-# the kernel switches MKL has (2, 4, 12, 16) and odd sizes.
-_CHECKED_ROW_COUNTS = (1, 2, 3, 4, 5, 8, 11, 12, 13, 16, 17, 33)
-_CHECK_ROWS = 64
+# Row counts whose products are compared bitwise with the same rows of one larger product:
+# alone, small batches, both sides of the kernel switches MKL has (2, 4, 12, 16), odd sizes;
+# a few of them also at the far end of the batch.
+_CHECKED_ROW_COUNTS = (1, 2, 3, 4, 8, 12, 17, 33, 64)
+_CHECKED_AT_THE_END = (1, 17)
+# The larger product: two audios' encoder rows (and any prefill) for the layers; for the
+# output projection, which gets one row per decoding sequence (plus one per request at
+# <|startoftranscript|>), 256 rows, to keep its check at start-up short (each call reads the
+# whole 52k-token matrix).
+LAYER_CHECK_ROWS = 3000
+OUTPUT_CHECK_ROWS = 256
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,37 +78,49 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def rows_independent_of_batch(packed: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> bool:
-    """True when each row of a product comes out with the same bits whatever the row count
-    and the row's position (compared bitwise with one 64-row product)."""
+def rows_independent_of_batch(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                              largest_rows: int) -> bool:
+    """True when the packed product is x @ weight.T and each of its rows comes out with the
+    same bits whatever the row count (up to `largest_rows`) and the row's position."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(_CHECK_ROWS, in_features, generator=generator)
+    x = torch.randn(largest_rows, weight.shape[1], generator=generator)
     with torch.inference_mode():
         full = packed_linear(x, packed, bias)
+        if not torch.allclose(full[:64], F.linear(x[:64], weight, bias), rtol=1e-4, atol=1e-4):
+            return False
         for rows in _CHECKED_ROW_COUNTS:
             if not torch.equal(packed_linear(x[:rows], packed, bias), full[:rows]):
                 return False
-            last = _CHECK_ROWS - rows  # the same rows at the other end of the batch
-            if not torch.equal(packed_linear(x[last:], packed, bias), full[last:]):
+        for rows in _CHECKED_AT_THE_END:
+            if not torch.equal(packed_linear(x[-rows:], packed, bias), full[-rows:]):
                 return False
     return True
 
 
-def _packed_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Every weight packed, or None when one cannot be or its rows depend on the batch."""
+@functools.cache
+def kernel_rows_independent(out_features: int, in_features: int, has_bias: bool, largest_rows: int) -> bool:
+    """rows_independent_of_batch for oneDNN's kernel of this shape, over random weights: a
+    property of the kernel this CPU gets, so each process checks a shape once (every engine
+    of a test run, or a server's model and its second engine, shares the answer)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator) if has_bias else None
+    packed = pack_weight(weight)
+    return packed is not None and rows_independent_of_batch(weight, packed, bias, largest_rows)
+
+
+def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                    largest_rows: int) -> dict[str, torch.Tensor] | None:
+    """Every (weight, bias) packed, or None when one cannot be or its rows depend on the batch."""
     packed: dict[str, torch.Tensor] = {}
-    checked: dict[tuple[int, int], bool] = {}
-    for name, weight in weights.items():
+    for name, (weight, bias) in weights.items():
+        out_features, in_features = weight.shape
         packed_weight = pack_weight(weight)
         if packed_weight is None:
             return None
-        shape = tuple(weight.shape)
-        if shape not in checked:
-            bias = torch.zeros(shape[0])  # the bias is added after the product: any will do
-            checked[shape] = rows_independent_of_batch(packed_weight, bias, shape[1])
-            if not checked[shape]:
-                logger.warning("oneDNN's %s product depends on the batch on this CPU; keeping MKL", shape)
-        if not checked[shape]:
+        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows):
+            logger.warning("oneDNN's %dx%d product depends on the batch on this CPU; keeping MKL",
+                           out_features, in_features)
             return None
         packed[name] = packed_weight
     return packed
@@ -107,7 +130,7 @@ def pack_linears(module: nn.Module) -> bool:
     """Swaps every nn.Linear of `module` for a PackedLinear, all or none: True when all are
     packed (or were already)."""
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    packed = _packed_weights({name: m.weight for name, m in linears})
+    packed = _packed_weights({name: (m.weight, m.bias) for name, m in linears}, LAYER_CHECK_ROWS)
     if packed is None:
         return False
     for name, linear in linears:
@@ -122,10 +145,11 @@ def pack_whisper_linears(model: nn.Module, encoder: bool = True) -> bool:
     constants). Returns whether the decoder is packed: its steps then need no padding."""
     decoder = model.decoder
     if decoder.packed_output_weight is None:
-        output = _packed_weights({"output": decoder.embed_tokens.weight})
+        output = _packed_weights({"output": (decoder.embed_tokens.weight, None)}, OUTPUT_CHECK_ROWS)
         if output is None or not pack_linears(decoder):
             return False
         decoder.packed_output_weight = output["output"]
     if encoder:
-        pack_linears(model.encoder)  # speed only: the encoder's rows are 1500 an audio either way
+        # Checked like the decoder's; where a shape fails, the whole encoder keeps MKL.
+        pack_linears(model.encoder)
     return True
