@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,21 +121,30 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(minute_of_speech, speech
         expected = _transcribe(process, minute_of_speech).json()["text"]
         engine_pid = process.engine_pid()
 
+        stream_accepted = threading.Event()
+
         def streamed() -> str:
             with httpx.stream(
                 "POST", f"{process.url}/v1/audio/transcriptions", files={"file": minute_of_speech.read_bytes()},
                 data={"stream": "true", "temperature_fallback": "false"}, timeout=120,
             ) as response:
                 assert response.status_code == 200
+                stream_accepted.set()  # its headers come once the server has taken it on
                 return "\n".join(response.iter_lines())
 
-        with ThreadPoolExecutor(2) as pool:
-            plain = pool.submit(_transcribe, process, minute_of_speech)
-            stream = pool.submit(streamed)
+        def wait_until(condition) -> None:
             deadline = time.monotonic() + 30
-            while process.metrics()["asrserve_num_requests_running"] == 0:
+            while not condition():
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+
+        # SIGTERM only once both requests are in flight: one the server has not yet taken on
+        # rightly gets 503, which under load (a slow upload) made this test flaky.
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(_transcribe, process, minute_of_speech)
+            wait_until(lambda: process.metrics()["asrserve_num_requests_running"] > 0)  # the only request
+            stream = pool.submit(streamed)
+            wait_until(stream_accepted.is_set)
             process.process.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             # No new connections while draining: the load balancer's next probe fails at once.
