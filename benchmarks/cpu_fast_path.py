@@ -1,8 +1,10 @@
 """What each lever of the CPU fast path buys, measured on this machine with tiny.en:
 
     python benchmarks/cpu_fast_path.py [--batch 8] [--requests 8,32] [--only decode-step]
+    python benchmarks/cpu_fast_path.py --only encoder-float32   # quick: no bf16 rows
 
-Encoder: milliseconds per 30 s window for float32 (SDPA), bfloat16 with torch's SDPA,
+Encoder: milliseconds per 30 s window for float32 (SDPA) with MKL's linears and with oneDNN's
+packed ones (the engine's float32 path), in turns; bfloat16 with torch's SDPA,
 bfloat16 with our one-head-at-a-time attention (the eager fast path), and the compiled
 encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross-attention
 over 1500 encoder positions for N decoding requests, torch's SDPA against our head-major
@@ -57,16 +59,26 @@ def sdpa_by_qkv(qkv: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
+def float32_encoder_rows(batch: int, repeats: int, rounds: int = 3) -> list[tuple[str, str]]:
+    """The float32 encoder with MKL's linears and with oneDNN's packed ones, taking turns
+    `rounds` times (this machine drifts): each row is the range over the rounds."""
+    cpu = torch.device("cpu")
+    mel = torch.randn(batch, 80, 3000, generator=torch.Generator().manual_seed(0))
+    variants = {"float32, SDPA, MKL linears": load_model(ModelConfig(), cpu, torch.float32).model.encoder}
+    packed = load_model(ModelConfig(), cpu, torch.float32).model
+    if pack_whisper_linears(packed):
+        variants["float32, SDPA, oneDNN packed linears (the default)"] = packed.encoder
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, encoder in variants.items():
+            timings[name].append(per_call_ms(lambda: encoder(mel), repeats) / batch)
+    return [(name, f"{min(values):.1f}-{max(values):.1f}") for name, values in timings.items()]
+
+
 def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
     cpu = torch.device("cpu")
     rows = []
-    fp32 = load_model(ModelConfig(), cpu, torch.float32).model.encoder
     mel = torch.randn(batch, 80, 3000, generator=torch.Generator().manual_seed(0))
-    rows.append(("float32, SDPA, MKL linears", per_call_ms(lambda: fp32(mel), repeats) / batch))
-    packed = load_model(ModelConfig(), cpu, torch.float32).model
-    if pack_whisper_linears(packed):
-        rows.append(("float32, SDPA, oneDNN packed linears (the default without bf16)",
-                     per_call_ms(lambda: packed.encoder(mel), repeats) / batch))
     bf16 = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
     mel16 = mel.bfloat16()
     fast_path = whisper.attention_by_head
@@ -156,10 +168,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="audios per encoder call")
     parser.add_argument("--requests", default="8,32", help="decoding requests for the cross-attention rows")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=("encoder", "cross-attention", "decode-step"), help="one section only")
+    parser.add_argument("--only", choices=("encoder", "encoder-float32", "cross-attention", "decode-step"), help="one section only")
     args = parser.parse_args()
     requests = [int(n) for n in args.requests.split(",")]
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.only in (None, "encoder", "encoder-float32"):
+        print(f"\nencoder, batch of {args.batch}: ms per 30 s window, lowest-highest of 3 rounds")
+        for name, ms_range in float32_encoder_rows(args.batch, max(1, args.repeats // 2)):
+            print(f"  {name:<52}{ms_range:>12}")
     if args.only in (None, "encoder"):
         print(f"\nencoder, batch of {args.batch}: ms per 30 s window")
         for name, ms in encoder_rows(args.batch, args.repeats):
