@@ -1,12 +1,13 @@
 """Temperature sampling (sample_by_inverse_cdf): the right distribution, never a masked token,
-and each row's draw independent of the rows beside it."""
+and each row's draw independent of the rows beside it; log-normalisers with the same bits alone
+and in a batch (batch_invariant_logsumexp)."""
 
 import math
 
 import torch
 
 from asrserve.worker import sampler
-from asrserve.worker.sampler import sample_by_inverse_cdf
+from asrserve.worker.sampler import batch_invariant_logsumexp, sample_by_inverse_cdf
 
 
 def _draw(logits: torch.Tensor, temperature: float, generators: list[torch.Generator]) -> torch.Tensor:
@@ -50,3 +51,17 @@ def test_a_draw_that_rounds_to_the_total_takes_the_last_possible_token(monkeypat
     monkeypatch.setattr(sampler.torch, "rand", lambda *args, **kwargs: torch.ones(1))
     tokens = _draw(logits, 1.0, [torch.Generator(), torch.Generator()]).tolist()
     assert tokens == [2, 3]
+
+
+def test_a_rows_log_normaliser_has_the_same_bits_alone_and_in_a_batch():
+    # Whisper's vocabulary, masked entries included, as the sampler sees it; each row alone
+    # against the same row among 2, 3 and 32 rows. With 2 threads, torch.logsumexp alone gives
+    # 4 of these 32 rows other bits.
+    logits = torch.randn(32, 51864, generator=torch.Generator().manual_seed(2)) * 2
+    logits[:, 50257:50400] = float("-inf")
+    batched = batch_invariant_logsumexp(logits)
+    torch.testing.assert_close(batched, torch.logsumexp(logits, dim=-1))
+    for row in range(32):
+        assert torch.equal(batch_invariant_logsumexp(logits[row : row + 1]), batched[row : row + 1])
+    for rows in (2, 3):
+        assert torch.equal(batch_invariant_logsumexp(logits[:rows]), batched[:rows])

@@ -47,6 +47,14 @@ OUTPUT_CHECK_ROWS = 256
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.numel() == x.shape[-1]:
+        # One row goes through as two: on AVX-512 CPUs oneDNN computes a single row with a
+        # matrix-vector kernel whose sums (for 1536 or more inputs) round otherwise than its
+        # matrix kernel, so a lone request would get other bits than in a batch. Two rows cost
+        # the same as one (the product reads the weight once either way).
+        pair = x.reshape(1, -1).expand(2, -1).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(pair, packed, bias, "none", [], "")
+        return out[:1].reshape(*x.shape[:-1], out.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -142,6 +142,17 @@ class TimestampRules:
             logits[row_index] = filtered
 
 
+def batch_invariant_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dimension of [rows, vocab], with each row's bits the same
+    whatever the row count. A lone row of more than 32768 entries takes torch's two-pass CPU
+    reduction (its sum split across threads, so added in another order) where two or more rows
+    are each summed whole: a request's log-probabilities moved by ~1e-7 between decoding alone
+    and beside others. A lone row therefore goes through as two."""
+    if logits.shape[0] == 1 and logits.device.type == "cpu":
+        return torch.logsumexp(logits.expand(2, -1), dim=-1)[:1]
+    return torch.logsumexp(logits, dim=-1)
+
+
 def sample_by_inverse_cdf(logits: torch.Tensor, temperatures: torch.Tensor,
                           generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of logits [rows, vocab], drawn from softmax(logits / temperature):
@@ -203,7 +214,7 @@ class Sampler:
 
         # A chosen token's log-probability is its logit less the row's log-normaliser: one
         # reduction, where log_softmax would also write out a [rows, vocab] tensor.
-        log_normalizers = torch.logsumexp(logits, dim=-1)
+        log_normalizers = batch_invariant_logsumexp(logits)
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if r.temperature > 0 and not r.needs_language]
         if sampled_rows:
