@@ -138,7 +138,8 @@ class EngineConfig:
     # Pad each decoder step to a multiple of this many tokens (at least two multiples) so
     # matrix kernels see the same shapes whatever else is in the batch: a request's tokens
     # then do not depend on its neighbours. 0 turns padding off. Unused where the runner packs
-    # the linears for oneDNN (float32 on CPU, packed_linear.py): their rows need no padding.
+    # the linears for oneDNN (float32 and bf16 on CPU, packed_linear.py): their rows need no
+    # padding.
     batch_invariant_padding: int = 8
 
 

@@ -80,6 +80,23 @@ def test_logprobs_have_the_same_bits_alone_and_in_a_batch(tiny_en_engine, speech
     assert_idle_and_clean(tiny_en_engine)
 
 
+def test_bf16_logprobs_have_the_same_bits_alone_and_in_a_batch(speech_audio):
+    # The same guarantee in bf16 where the runner packs its bf16 linears for oneDNN (CPUs with
+    # AVX512-BF16, where bf16 is the default); elsewhere bf16 steps are padded instead.
+    engine = EngineCore(engine_config(dtype="bfloat16"))
+    if not engine.runner.linears_packed:
+        pytest.skip("no batch-invariant oneDNN bf16 linear on this CPU")
+    audios = speech_audio[:5]
+    alone = []
+    for i, audio in enumerate(audios):
+        engine.add_request(f"bf16-alone-{i}", audio)
+        alone.append(_scores_by_request(engine)[f"bf16-alone-{i}"])
+    ids = _submit_all(engine, audios, "bf16-together")
+    together = _scores_by_request(engine)
+    assert [together[i] for i in ids] == alone
+    assert_idle_and_clean(engine)
+
+
 def test_tokens_survive_preemption(speech_audio, alone_tokens):
     # Blocks of 4 tokens: cross-attention takes 375, so a pool of 3 * 375 + 4 admits three
     # requests and has to preempt as soon as they grow.

@@ -88,9 +88,31 @@ def test_a_kernel_that_computes_another_product_is_not_used(monkeypatch):
     assert not rows_independent_of_batch(weight, pack_weight(weight), None, 100)
 
 
-def test_only_float32_cpu_weights_are_packed():
+def test_float16_weights_are_not_packed():
     assert pack_weight(torch.zeros(8, 8, dtype=torch.float16)) is None
-    assert pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is None
+
+
+needs_bf16_kernel = pytest.mark.skipif(
+    not packed_linear.kernel_rows_independent(384, 384, True, 64, torch.bfloat16),
+    reason="oneDNN has no batch-invariant bf16 linear on this CPU (no AVX512-BF16)",
+)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("shape", [(1152, 384), (384, 1536), (2048, 512)])
+def test_bf16_rows_have_the_same_bits_at_every_batch_size(shape):
+    weight = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05).bfloat16()
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(3)).bfloat16()
+    packed = pack_weight(weight)
+    x = torch.randn(40, shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        batched = packed_linear.packed_linear(x, packed, bias)
+        assert batched.dtype == torch.bfloat16
+        for row in (0, 17, 39):
+            alone = packed_linear.packed_linear(x[row : row + 1], packed, bias)
+            assert torch.equal(alone[0], batched[row])
+        torch.testing.assert_close(batched.float(), torch.nn.functional.linear(x, weight, bias).float(),
+                                   rtol=2e-2, atol=2e-2)
 
 
 @needs_onednn
@@ -102,3 +124,20 @@ def test_the_cpu_engine_runs_packed_and_unpadded(tiny_en_engine):
     assert runner.decoder_inputs.padding_multiple == 0
     assert runner.model.decoder.packed_output_weight is not None
     assert not any(isinstance(m, nn.Linear) for m in runner.model.modules())
+
+
+@needs_bf16_kernel
+@pytest.mark.slow
+def test_the_bf16_cpu_engine_runs_packed_and_unpadded_with_float32_logits():
+    from asrserve.engine.engine_core import EngineCore
+    from tests.conftest import engine_config
+
+    runner = EngineCore(engine_config(dtype="bfloat16", compile="off")).runner
+    assert runner.linears_packed and runner.decoder_inputs.padding_multiple == 0
+    decoder = runner.model.decoder
+    assert not any(isinstance(m, nn.Linear) for m in decoder.modules())
+    hidden = torch.randn(3, decoder.embed_tokens.weight.shape[1]).bfloat16()
+    with torch.inference_mode():
+        logits = decoder.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ decoder.embed_tokens.weight.float().T, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,10 @@
-"""float32 linear layers on CPU through oneDNN, over weights packed once at start-up.
+"""Linear layers on CPU through oneDNN, over weights packed once at start-up: float32, and
+bfloat16 (where the decoder runs in bf16, its output projection still runs over a packed float32
+copy: see TextDecoder.compute_logits).
 
-Two reasons, both measured on tiny.en (2 AVX2 cores, float32; docs/benchmarks.md):
+Two reasons, both measured on tiny.en (2 AVX2 cores, float32; docs/benchmarks.md; and on 2
+AVX512-BF16 cores in bf16, where a lone request's step paid 16 rows of MKL's float32 logits
+product and of every bf16 linear):
 
 1. **Batch invariance without padding.** MKL's sgemm (what nn.Linear and torch.mm call) picks
    its kernel, and so its rounding, by the row count: a row's logits come out with different
@@ -11,7 +15,12 @@ Two reasons, both measured on tiny.en (2 AVX2 cores, float32; docs/benchmarks.md
    bits whatever the row count and wherever it sits (1 to 300 rows checked, every Whisper
    shape), so steps run on their real rows and every log-probability is batch-invariant.
 2. **Speed.** The output projection for 1-16 rows takes 6-10 ms instead of 10-25, and the
-   encoder's 1500-row GEMMs are 10-30% quicker (the whole encoder ~5-10%).
+   encoder's 1500-row GEMMs are 10-30% quicker (the whole encoder ~5-10%). In bf16 (2 Zen 4
+   cores) a lone request's decoder step went from 19-20 to 10-12 ms, 8 requests' from 31-34
+   to 22-26 ms.
+
+A lone row goes through as two (packed_linear): on AVX-512 CPUs oneDNN computes one row with a
+matrix-vector kernel that sums in another order than its matrix kernel.
 
 Row independence is a property of the kernel oneDNN picks for this CPU, not a documented
 promise, so it is checked for every weight shape before packing, once per shape and process
@@ -75,9 +84,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
 
 
+# The dtypes packed, with how far the packed product may be from F.linear's (bf16: its
+# accumulation is fp32 either way, the output rounded to bf16's 8 bits).
+_TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+PACKED_DTYPES = tuple(_TOLERANCES)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] packed for oneDNN, or None where this torch or CPU cannot."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or weight.dtype not in _TOLERANCES or not torch.backends.mkldnn.is_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -91,10 +106,12 @@ def rows_independent_of_batch(weight: torch.Tensor, packed: torch.Tensor, bias: 
     """True when the packed product is x @ weight.T and each of its rows comes out with the
     same bits whatever the row count (up to `largest_rows`) and the row's position."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(largest_rows, weight.shape[1], generator=generator)
+    x = torch.randn(largest_rows, weight.shape[1], generator=generator).to(weight.dtype)
+    tolerance = _TOLERANCES[weight.dtype]
     with torch.inference_mode():
         full = packed_linear(x, packed, bias)
-        if not torch.allclose(full[:64], F.linear(x[:64], weight, bias), rtol=1e-4, atol=1e-4):
+        if full.dtype != weight.dtype or not torch.allclose(
+                full[:64].float(), F.linear(x[:64], weight, bias).float(), rtol=tolerance, atol=tolerance):
             return False
         for rows in _CHECKED_ROW_COUNTS:
             if not torch.equal(packed_linear(x[:rows], packed, bias), full[:rows]):
@@ -106,13 +123,14 @@ def rows_independent_of_batch(weight: torch.Tensor, packed: torch.Tensor, bias: 
 
 
 @functools.cache
-def kernel_rows_independent(out_features: int, in_features: int, has_bias: bool, largest_rows: int) -> bool:
-    """rows_independent_of_batch for oneDNN's kernel of this shape, over random weights: a
-    property of the kernel this CPU gets, so each process checks a shape once (every engine
-    of a test run, or a server's model and its second engine, shares the answer)."""
+def kernel_rows_independent(out_features: int, in_features: int, has_bias: bool, largest_rows: int,
+                            dtype: torch.dtype = torch.float32) -> bool:
+    """rows_independent_of_batch for oneDNN's kernel of this shape and dtype, over random
+    weights: a property of the kernel this CPU gets, so each process checks a shape once (every
+    engine of a test run, or a server's model and its second engine, shares the answer)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-    bias = torch.randn(out_features, generator=generator) if has_bias else None
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
     packed = pack_weight(weight)
     return packed is not None and rows_independent_of_batch(weight, packed, bias, largest_rows)
 
@@ -126,9 +144,9 @@ def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]
         packed_weight = pack_weight(weight)
         if packed_weight is None:
             return None
-        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows):
-            logger.warning("oneDNN's %dx%d product depends on the batch on this CPU; keeping MKL",
-                           out_features, in_features)
+        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows, weight.dtype):
+            logger.warning("oneDNN's %dx%d %s product depends on the batch on this CPU; keeping MKL",
+                           out_features, in_features, weight.dtype)
             return None
         packed[name] = packed_weight
     return packed
@@ -150,10 +168,14 @@ def pack_linears(module: nn.Module) -> bool:
 def pack_whisper_linears(model: nn.Module, encoder: bool = True) -> bool:
     """Packs the decoder's linears and its output projection, and the encoder's linears when
     `encoder` (not when it is to be compiled: inductor takes packed weights only as frozen
-    constants). Returns whether the decoder is packed: its steps then need no padding."""
+    constants). Returns whether the decoder is packed: its steps then need no padding.
+
+    The output projection is packed in float32 whatever the model's dtype: the logits are
+    computed in float32 (TextDecoder.compute_logits), over a float32 copy of 16-bit weights."""
     decoder = model.decoder
     if decoder.packed_output_weight is None:
-        output = _packed_weights({"output": (decoder.embed_tokens.weight, None)}, OUTPUT_CHECK_ROWS)
+        output_weight = decoder.embed_tokens.weight.float()
+        output = _packed_weights({"output": (output_weight, None)}, OUTPUT_CHECK_ROWS)
         if output is None or not pack_linears(decoder):
             return False
         decoder.packed_output_weight = output["output"]

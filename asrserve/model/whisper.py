@@ -232,8 +232,8 @@ class TextDecoder(nn.Module):
         # transcripts of real speech equal its fp32 ones (benchmarks/dtype_accuracy.py); the
         # step pays ~2 ms for reading twice the bytes.
         #
-        # On CPU it runs over the oneDNN-packed copy when the runner packed the model's linears
-        # (packed_linear.py: the same bits at any row count, and quicker). Otherwise as
+        # On CPU it runs over a oneDNN-packed float32 copy when the runner packed the model's
+        # linears (packed_linear.py: the same bits at any row count, and quicker). Otherwise as
         # weight @ hidden.T: for a few rows against the 52k-token vocabulary MKL's kernel for
         # hidden @ weight.T repacks the whole 80 MB weight on every call, and the step's logits
         # take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
@@ -241,6 +241,8 @@ class TextDecoder(nn.Module):
         # On CUDA the same holds; there cuBLAS multiplies the 16-bit operands and writes fp32
         # (out_dtype): the same sums as over fp32 copies, without an fp32 GEMM (turbo, 256
         # rows on an H100: 0.86 ms in fp32).
+        if self.packed_output_weight is not None:
+            return packed_linear(hidden.float(), self.packed_output_weight, None)
         weight = self.embed_tokens.weight
         if hidden.device.type == "cuda" and weight.dtype != torch.float32 and self._mm_out_fp32:
             try:
@@ -253,8 +255,6 @@ class TextDecoder(nn.Module):
             weight = self._fp32_output_weight
         if hidden.device.type != "cpu":
             return F.linear(hidden.float(), weight)
-        if self.packed_output_weight is not None:
-            return packed_linear(hidden.float(), self.packed_output_weight, None)
         return torch.mm(weight, hidden.float().T).T.contiguous()
 
 
