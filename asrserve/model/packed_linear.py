@@ -145,7 +145,8 @@ def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]
         if packed_weight is None:
             return None
         if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows, weight.dtype):
-            logger.warning("oneDNN's %dx%d %s product depends on the batch on this CPU; keeping MKL",
+            logger.warning("oneDNN's packed %dx%d %s product fails the start-up check on this CPU (rows "
+                           "depend on the batch, or it differs from F.linear); keeping MKL and padding",
                            out_features, in_features, weight.dtype)
             return None
         packed[name] = packed_weight
