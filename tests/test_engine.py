@@ -81,8 +81,9 @@ def test_logprobs_have_the_same_bits_alone_and_in_a_batch(tiny_en_engine, speech
 
 
 def test_bf16_logprobs_have_the_same_bits_alone_and_in_a_batch(speech_audio):
-    # The same guarantee in bf16 where the runner packs its bf16 linears for oneDNN (CPUs with
-    # AVX512-BF16, where bf16 is the default); elsewhere bf16 steps are padded instead.
+    # The same guarantee in bf16 where the runner packs its bf16 linears for oneDNN (where the
+    # start-up check passes, e.g. CPUs with AVX512-BF16, where bf16 is the default); elsewhere
+    # bf16 steps are padded instead.
     engine = EngineCore(engine_config(dtype="bfloat16"))
     if not engine.runner.linears_packed:
         pytest.skip("no batch-invariant oneDNN bf16 linear on this CPU")

@@ -1,4 +1,4 @@
-"""float32 CPU linears through oneDNN over packed weights (asrserve/model/packed_linear.py)."""
+"""float32 and bf16 CPU linears through oneDNN over packed weights (asrserve/model/packed_linear.py)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_float16_weights_are_not_packed():
 
 needs_bf16_kernel = pytest.mark.skipif(
     not packed_linear.kernel_rows_independent(384, 384, True, 64, torch.bfloat16),
-    reason="oneDNN has no batch-invariant bf16 linear on this CPU (no AVX512-BF16)",
+    reason="oneDNN has no batch-invariant bf16 linear on this CPU (e.g. one limited to AVX2)",
 )
 
 
@@ -141,3 +141,12 @@ def test_the_bf16_cpu_engine_runs_packed_and_unpadded_with_float32_logits():
         logits = decoder.compute_logits(hidden)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.float() @ decoder.embed_tokens.weight.float().T, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_a_packed_model_refuses_to_be_moved_or_cast():
+    # Its packed copies would not follow: the logits would silently use the old weights.
+    model = _TwoLayers()
+    assert pack_linears(model)
+    with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+        model.to(torch.bfloat16)

@@ -24,11 +24,15 @@ matrix-vector kernel that sums in another order than its matrix kernel.
 
 Row independence is a property of the kernel oneDNN picks for this CPU, not a documented
 promise, so it is checked for every weight shape before packing, once per shape and process
-(row counts up to 64 against the same rows of a 3000-row product, 256 for the output
-projection, two of them at the far end of the batch; and the product against F.linear).
+(row counts up to 1500 against the same rows of a 3000-row product, up to 128 of a 256-row
+one for the output projection, two of them at the far end of the batch; and the product
+against F.linear).
 Where it does not hold, the decoder is left to MKL and the runner keeps padding
 (`batch_invariant_padding`). A packed weight replaces its linear's (an opaque oneDNN tensor);
-the output projection's is a second copy, since the token embedding still reads the original.
+the output projection's is a second copy, since the token embedding still reads the original
+(float32: 80 MB more for tiny.en, 265 MB for large-v3; with 16-bit weights it is the float32
+copy the logits need anyway). A packed model cannot be moved or cast afterwards (PackedLinear
+refuses), since its packed copies would not follow.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Row counts whose products are compared bitwise with the same rows of one larger product:
-# alone, small batches, both sides of the kernel switches MKL has (2, 4, 12, 16), odd sizes;
-# a few of them also at the far end of the batch.
-_CHECKED_ROW_COUNTS = (1, 2, 3, 4, 8, 12, 17, 33, 64)
+# alone, small batches, both sides of the kernel switches MKL has (2, 4, 12, 16), odd sizes,
+# long prefills and one audio's encoder rows (those below the larger product's count); a few
+# of them also at the far end of the batch.
+_CHECKED_ROW_COUNTS = (1, 2, 3, 4, 8, 12, 17, 33, 64, 128, 256, 1500)
 _CHECKED_AT_THE_END = (1, 17)
 # The larger product: two audios' encoder rows (and any prefill) for the layers; for the
 # output projection, which gets one row per decoding sequence (plus one per request at
@@ -68,7 +73,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a oneDNN-packed float32 weight."""
+    """nn.Linear's forward over a oneDNN-packed float32 or bf16 weight."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int):
         super().__init__()
@@ -82,6 +87,11 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda() ... would leave the packed copy behind, unchanged: cast or
+        # move a model before the runner packs it, never after.
+        raise RuntimeError("a model packed for oneDNN cannot be moved or cast; do it before packing")
 
 
 # The dtypes packed, with how far the packed product may be from F.linear's (bf16: its
@@ -113,7 +123,7 @@ def rows_independent_of_batch(weight: torch.Tensor, packed: torch.Tensor, bias: 
         if full.dtype != weight.dtype or not torch.allclose(
                 full[:64].float(), F.linear(x[:64], weight, bias).float(), rtol=tolerance, atol=tolerance):
             return False
-        for rows in _CHECKED_ROW_COUNTS:
+        for rows in (count for count in _CHECKED_ROW_COUNTS if count < largest_rows):
             if not torch.equal(packed_linear(x[:rows], packed, bias), full[:rows]):
                 return False
         for rows in _CHECKED_AT_THE_END:
@@ -135,19 +145,23 @@ def kernel_rows_independent(out_features: int, in_features: int, has_bias: bool,
     return packed is not None and rows_independent_of_batch(weight, packed, bias, largest_rows)
 
 
-def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
-                    largest_rows: int) -> dict[str, torch.Tensor] | None:
-    """Every (weight, bias) packed, or None when one cannot be or its rows depend on the batch."""
+def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], largest_rows: int,
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Every (weight, bias) packed (in `dtype`, default their own), or None when one cannot be
+    or its rows depend on the batch. Each shape's kernel is checked before anything is copied:
+    the check makes a random weight of the shape, and a large model's output projection should
+    not be held three times at once."""
     packed: dict[str, torch.Tensor] = {}
     for name, (weight, bias) in weights.items():
         out_features, in_features = weight.shape
-        packed_weight = pack_weight(weight)
-        if packed_weight is None:
-            return None
-        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows, weight.dtype):
+        packed_dtype = dtype or weight.dtype
+        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows, packed_dtype):
             logger.warning("oneDNN's packed %dx%d %s product fails the start-up check on this CPU (rows "
                            "depend on the batch, or it differs from F.linear); keeping MKL and padding",
-                           out_features, in_features, weight.dtype)
+                           out_features, in_features, packed_dtype)
+            return None
+        packed_weight = pack_weight(weight.to(packed_dtype))
+        if packed_weight is None:
             return None
         packed[name] = packed_weight
     return packed
@@ -175,8 +189,7 @@ def pack_whisper_linears(model: nn.Module, encoder: bool = True) -> bool:
     computed in float32 (TextDecoder.compute_logits), over a float32 copy of 16-bit weights."""
     decoder = model.decoder
     if decoder.packed_output_weight is None:
-        output_weight = decoder.embed_tokens.weight.float()
-        output = _packed_weights({"output": (output_weight, None)}, OUTPUT_CHECK_ROWS)
+        output = _packed_weights({"output": (decoder.embed_tokens.weight, None)}, OUTPUT_CHECK_ROWS, torch.float32)
         if output is None or not pack_linears(decoder):
             return False
         decoder.packed_output_weight = output["output"]
