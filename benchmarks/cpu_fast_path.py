@@ -39,7 +39,7 @@ from asrserve.model import whisper
 from asrserve.model.attention import GatherBuffers, _attention_head_major
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
-from asrserve.model.packed_linear import pack_whisper_linears
+from asrserve.model.packed_linear import pack_decoder_linears, pack_linears
 from asrserve.worker.input_batch import DecoderInputBuilder
 
 
@@ -66,7 +66,7 @@ def float32_encoder_rows(batch: int, repeats: int, rounds: int = 3) -> list[tupl
     mel = torch.randn(batch, 80, 3000, generator=torch.Generator().manual_seed(0))
     variants = {"float32, SDPA, MKL linears": load_model(ModelConfig(), cpu, torch.float32).model.encoder}
     packed = load_model(ModelConfig(), cpu, torch.float32).model
-    if pack_whisper_linears(packed):
+    if pack_linears(packed.encoder):
         variants["float32, SDPA, oneDNN packed linears (the default)"] = packed.encoder
     timings: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
@@ -122,7 +122,7 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list
     # The engine's float32 CPU path packs the linears and runs steps unpadded; the MKL model
     # with steps padded to 16 rows is how it ran before (packed_linear.py).
     mkl_decoder = load_model(ModelConfig(), cpu, torch.float32).model.decoder
-    packed = pack_whisper_linears(loaded.model)
+    packed = pack_decoder_linears(loaded.model)
     special = loaded.tokenizer.special
     prompt = [special.sot, special.no_timestamps, *range(400, 443)]
     has_reference = "cross_in_place" in inspect.signature(DecoderInputBuilder).parameters

@@ -25,15 +25,15 @@ JFK = Path(__file__).resolve().parents[2] / "shared" / "audio" / "openai-whisper
 
 
 def engine(dtype: str, packed: bool, max_num_seqs: int) -> EngineCore:
-    pack = model_runner.pack_whisper_linears
+    pack = model_runner.pack_decoder_linears
     if not packed:
-        model_runner.pack_whisper_linears = lambda *args, **kwargs: False
+        model_runner.pack_decoder_linears = lambda *args, **kwargs: False
     try:
         config = EngineConfig(model=ModelConfig(dtype=dtype), cache=CacheConfig(),
                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
         core = EngineCore(config)
     finally:
-        model_runner.pack_whisper_linears = pack
+        model_runner.pack_decoder_linears = pack
     assert core.runner.linears_packed == packed, "this CPU's oneDNN kernel failed the start-up check"
     return core
 

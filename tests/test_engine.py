@@ -68,16 +68,19 @@ def test_logprobs_have_the_same_bits_alone_and_in_a_batch(tiny_en_engine, speech
     # timestamp rules read) and P(no speech) must not move by a bit with the batch. On CPU the
     # runner packs the linears for oneDNN and runs steps unpadded (packed_linear.py); MKL's
     # GEMMs fail this, padded to 16 rows or not.
-    audios = speech_audio[:5]
+    _assert_scores_alone_equal_scores_together(tiny_en_engine, speech_audio[:5], "lp")
+
+
+def _assert_scores_alone_equal_scores_together(engine, audios, prefix: str) -> None:
     alone = []
     for i, audio in enumerate(audios):
-        tiny_en_engine.add_request(f"lp-alone-{i}", audio)
-        alone.append(_scores_by_request(tiny_en_engine)[f"lp-alone-{i}"])
+        engine.add_request(f"{prefix}-alone-{i}", audio)
+        alone.append(_scores_by_request(engine)[f"{prefix}-alone-{i}"])
     assert all(no_speech is not None for _, no_speech in alone)
-    ids = _submit_all(tiny_en_engine, audios, "lp-together")
-    together = _scores_by_request(tiny_en_engine)
+    ids = _submit_all(engine, audios, f"{prefix}-together")
+    together = _scores_by_request(engine)
     assert [together[i] for i in ids] == alone
-    assert_idle_and_clean(tiny_en_engine)
+    assert_idle_and_clean(engine)
 
 
 def test_bf16_logprobs_have_the_same_bits_alone_and_in_a_batch(speech_audio):
@@ -87,15 +90,7 @@ def test_bf16_logprobs_have_the_same_bits_alone_and_in_a_batch(speech_audio):
     engine = EngineCore(engine_config(dtype="bfloat16"))
     if not engine.runner.linears_packed:
         pytest.skip("no batch-invariant oneDNN bf16 linear on this CPU")
-    audios = speech_audio[:5]
-    alone = []
-    for i, audio in enumerate(audios):
-        engine.add_request(f"bf16-alone-{i}", audio)
-        alone.append(_scores_by_request(engine)[f"bf16-alone-{i}"])
-    ids = _submit_all(engine, audios, "bf16-together")
-    together = _scores_by_request(engine)
-    assert [together[i] for i in ids] == alone
-    assert_idle_and_clean(engine)
+    _assert_scores_alone_equal_scores_together(engine, speech_audio[:5], "bf16")
 
 
 def test_tokens_survive_preemption(speech_audio, alone_tokens):

@@ -180,10 +180,11 @@ def pack_linears(module: nn.Module) -> bool:
     return True
 
 
-def pack_whisper_linears(model: nn.Module, encoder: bool = True) -> bool:
-    """Packs the decoder's linears and its output projection, and the encoder's linears when
-    `encoder` (not when it is to be compiled: inductor takes packed weights only as frozen
-    constants). Returns whether the decoder is packed: its steps then need no padding.
+def pack_decoder_linears(model: nn.Module) -> bool:
+    """Packs the decoder's linears and its output projection, all or none. Returns whether they
+    are packed: the decoder's steps then need no padding. (The encoder's linears are packed
+    with pack_linears where it is not compiled: inductor takes packed weights only as frozen
+    constants.)
 
     The output projection is packed in float32 whatever the model's dtype: the logits are
     computed in float32 (TextDecoder.compute_logits), over a float32 copy of 16-bit weights."""
@@ -193,7 +194,4 @@ def pack_whisper_linears(model: nn.Module, encoder: bool = True) -> bool:
         if output is None or not pack_linears(decoder):
             return False
         decoder.packed_output_weight = output["output"]
-    if encoder:
-        # Checked like the decoder's; where a shape fails, the whole encoder keeps MKL.
-        pack_linears(model.encoder)
     return True

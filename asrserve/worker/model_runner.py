@@ -14,9 +14,9 @@ from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler import SchedulerOutput
-from asrserve.model.encoder_compile import compiled_encoder, should_compile
+from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
-from asrserve.model.packed_linear import PACKED_DTYPES, pack_linears, pack_whisper_linears
+from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pack_linears
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
 from asrserve.worker.sampler import Sampler, SamplerOutput
@@ -78,13 +78,11 @@ class ModelRunner:
         # float32 and bf16 on CPU: oneDNN over packed weights, whose rows do not depend on the
         # batch, so decoder steps need no padding (packed_linear.py). Elsewhere MKL/cuBLAS and
         # padding.
-        compile_encoder = should_compile(config.model.compile, device, dtype)
-        self.linears_packed = device.type == "cpu" and dtype in PACKED_DTYPES and pack_whisper_linears(
-            self.model, encoder=not compile_encoder)
+        self.linears_packed = device.type == "cpu" and dtype in PACKED_DTYPES and pack_decoder_linears(self.model)
         padding = 0 if self.linears_packed else config.batch_invariant_padding
         self.encode = compiled_encoder(self.model.encoder, self.dims.n_mels, device, dtype, config.model.compile)
-        if self.linears_packed and compile_encoder and self.encode is self.model.encoder:
-            pack_linears(self.model.encoder)  # compiling failed ("auto"): the eager encoder packs too
+        if self.linears_packed and self.encode is self.model.encoder:
+            pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
         self.sampler = Sampler(
             loaded.generation.suppress_tokens,
             loaded.generation.begin_suppress_tokens,
