@@ -28,8 +28,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
                        "float32 (exact), bfloat16 or float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                       help="compile the audio encoder at start-up (torch.compile, ~10 s): auto does so on CPU "
-                       "with bfloat16 when a C++ compiler is installed")
+                       help="compile the audio encoder at start-up (torch.compile, ~10 s on CPU, up to a minute "
+                       "on CUDA): auto does so on CUDA with bfloat16/float16, and on CPU with bfloat16 when a C++ "
+                       "compiler is installed")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: launch every decode step op by op instead of replaying CUDA graphs "
+                       "captured at start-up")
     group.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together per step")
     group.add_argument("--max-encoder-batch", type=int, default=8, help="audios per encoder forward")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -205,6 +209,7 @@ def _transcribe(args: argparse.Namespace) -> int:
     try:
         asr = ASR(
             args.model, dtype=args.dtype, device=args.device, load_format=args.load_format, compile=args.compile,
+            enforce_eager=args.enforce_eager,
             max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -295,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine_config = EngineConfig(
             model=ModelConfig(
                 model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                compile=args.compile,
+                compile=args.compile, enforce_eager=args.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,

