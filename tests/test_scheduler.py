@@ -519,3 +519,29 @@ def test_tail_repeats():
     # Rising timestamps between the repeats do not hide the loop.
     ts = TIMESTAMP_BEGIN
     assert tail_repeats([ts, 1, 2, ts + 5, ts + 5, 1, 2, ts + 9, ts + 9, 1, 2, ts + 14], TIMESTAMP_BEGIN)
+
+
+@pytest.mark.parametrize("fallback", [(), FALLBACK], ids=["decode-once", "with-fallback"])
+def test_a_request_that_does_not_stream_tokens_sends_its_first_token_then_everything_at_the_end(fallback):
+    """stream_tokens=False (a non-streamed HTTP response): two outputs, not one per token; what
+    the request gathers from them is what a streamed one gathers."""
+    from asrserve.entrypoints.pieces import PieceResult
+
+    gathered = {}
+    for stream_tokens in (True, False):
+        scheduler = make_scheduler()
+        params = SamplingParams(fallback_temperatures=fallback, stream_tokens=stream_tokens)
+        scheduler.add(make_request("a", params=params))
+        outputs, _ = run_to_end(scheduler, fails_until(passing=0.0, length_by_temperature={0.0: 30}))
+        piece = PieceResult(0.0, 30.0)
+        for output in outputs:
+            piece.add(output)
+        gathered[stream_tokens] = (piece.token_ids, piece.logprobs, piece.finish_reason)
+        assert_nothing_held(scheduler)
+        if not stream_tokens:
+            first, final = outputs
+            assert first.new_token_ids == [1000] and not first.finished
+            assert final.finished and final.restarted and final.new_token_ids == piece.token_ids
+        elif not fallback:
+            assert len(outputs) == 30, "one output per token"
+    assert gathered[True] == gathered[False]

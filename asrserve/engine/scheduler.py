@@ -112,6 +112,9 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # made room for an older request below
+            if not self.block_manager.blocks_to_grow(request):  # most steps: the last block has room
+                output.scheduled.append(request)
+                continue
             while not self.block_manager.can_grow(request):
                 victim = self._make_room(output)
                 if victim is request or request.status is not RequestStatus.RUNNING:
@@ -183,11 +186,24 @@ class Scheduler:
                 outputs.extend(self._complete(request, "length"))
             elif self._is_looping(request):
                 outputs.extend(self._complete(request, "stop"))
-            elif not request.is_sibling and request.group.is_single_decode:
+            elif self._streams(request) or self._is_first_token(request):
                 outputs.append(
                     RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)
                 )
         return outputs
+
+    @staticmethod
+    def _streams(sequence: Request) -> bool:
+        """Its tokens are sent as they come: the request's own (not a sibling's) single decode,
+        when it asked for them (SamplingParams.stream_tokens)."""
+        request = sequence.primary or sequence
+        return not sequence.is_sibling and request.group.is_single_decode and request.sampling_params.stream_tokens
+
+    @staticmethod
+    def _is_first_token(sequence: Request) -> bool:
+        """The first token of a request's first decode, sent even where tokens are not streamed:
+        it tells the server that the text has begun."""
+        return not sequence.is_sibling and sequence.group.is_single_decode and len(sequence.output_token_ids) == 1
 
     def _is_looping(self, request: Request) -> bool:
         """A sample that can no longer pass, ended early; only where a fallback can follow (a
@@ -212,7 +228,7 @@ class Scheduler:
             self.tokenizer.special.eot,
         )
         attempt = Attempt(tokens, logprobs, summary, sequence.alignment_scores, reason)
-        streamed = not sequence.is_sibling and group.is_single_decode
+        streamed = self._streams(sequence)
         chosen = group.record(sequence.sample_key, attempt)
         if chosen is None:
             key = group.next_unassigned()

@@ -125,7 +125,7 @@ class TranscriptionParams:
         self.sampling = SamplingParams.transcription(
             params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
             timestamps=self.timestamps, word_timestamps=self.words, best_of=params.best_of,
-            ignore_eos=params.ignore_eos,
+            ignore_eos=params.ignore_eos, stream_tokens=params.stream,
         )
 
 
