@@ -65,9 +65,9 @@ def sync() -> None:
 
 
 def run_engine(model_dir: str, dtype: str, concurrency: int, encoder_batch: int,
-               audios: list[np.ndarray]) -> tuple[dict, EngineCore]:
+               audios: list[np.ndarray], enforce_eager: bool = False) -> tuple[dict, EngineCore]:
     config = EngineConfig(
-        model=ModelConfig(model=model_dir, load_format="dummy", dtype=dtype),
+        model=ModelConfig(model=model_dir, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=concurrency, max_encoder_batch=encoder_batch),
     )
@@ -118,7 +118,9 @@ def run_engine(model_dir: str, dtype: str, concurrency: int, encoder_batch: int,
         "encoder_step_ms": _stats_ms([s for _, s in encoder_steps]),
         "time_in_steps_s": round(sum(s for _, _, s in step_log), 3),
         "kv_blocks": engine.runner.num_kv_blocks,
-        "load_s": round(load_s, 1),
+        "cuda_graphs": engine.runner.decode_graphs is not None,
+        "encoder_compiled": engine.runner.encode is not engine.runner.model.encoder,
+        "load_s": round(load_s, 1),  # weights, encoder compilation, graph capture
         "dtype": str(engine.dtype).removeprefix("torch."),
     }
     engine.runner.execute = execute
@@ -159,15 +161,17 @@ def encoder_per_audio(engine: EngineCore, batch_sizes: list[int]) -> dict:
 
 
 def encoder_compiled(engine: EngineCore, batch: int, profile_path: Path | None) -> dict:
-    """The encoder through torch.compile (--compile on) against eager: time per audio at one
-    batch size, compile time, and the largest relative difference of the outputs."""
+    """The encoder through torch.compile (what --compile auto runs on CUDA in 16-bit) against
+    eager: time per audio at one batch size, and the relative difference of the outputs."""
     from asrserve.model.encoder_compile import compiled_encoder
 
     runner = engine.runner
-    started = time.perf_counter()
-    compiled = compiled_encoder(runner.model.encoder, runner.dims.n_mels, runner.device, runner.dtype, "on")
-    compile_s = time.perf_counter() - started
-    out = {"compile_s": round(compile_s, 1)}
+    out = {}
+    compiled = runner.encode
+    if compiled is runner.model.encoder:  # the engine did not compile it
+        started = time.perf_counter()
+        compiled = compiled_encoder(runner.model.encoder, runner.dims.n_mels, runner.device, runner.dtype, "on")
+        out["compile_s"] = round(time.perf_counter() - started, 1)
     with torch.inference_mode():
         mel = runner.log_mel(clips(batch, seed=1)).to(runner.dtype)
         for name, encode in (("eager", runner.model.encoder), ("compiled", compiled)):
@@ -268,21 +272,27 @@ def main() -> int:
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--encoder-compile", action="store_true", help="also time the encoder through torch.compile")
+    parser.add_argument("--eager-concurrency", type=int, nargs="*", default=[],
+                        help="also run the engine at these concurrencies with --enforce-eager (no CUDA graphs)")
     args = parser.parse_args()
     if args.write_clips:
         write_clips(args.out, args.write_clips)
         return 0
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model_dir": args.model_dir,
-              "clip_s": CLIP_S, "output_tokens": OUTPUT_TOKENS, "date": time.strftime("%Y-%m-%d"), "engine": []}
+              "clip_s": CLIP_S, "output_tokens": OUTPUT_TOKENS, "date": time.strftime("%Y-%m-%d"), "engine": [],
+              "engine_eager": []}
     engine = None
-    for concurrency in args.concurrency:
+    # --enforce-eager rows first: the last engine (CUDA graphs, the largest concurrency) is the
+    # one the encoder timings and the profile below use.
+    runs = [(c, True) for c in args.eager_concurrency] + [(c, False) for c in args.concurrency]
+    for concurrency, enforce_eager in runs:
         engine = None
         torch.cuda.empty_cache()
         row, engine = run_engine(args.model_dir, args.dtype, concurrency, args.encoder_batch,
-                                 clips(args.requests_per_slot * concurrency))
+                                 clips(args.requests_per_slot * concurrency), enforce_eager=enforce_eager)
         print(json.dumps(row), flush=True)
-        result["engine"].append(row)
+        result["engine_eager" if enforce_eager else "engine"].append(row)
         args.out.write_text(json.dumps(result, indent=1))
     result["encoder_ms_per_audio"] = encoder_per_audio(engine, [1, 8, 16, 32, 64])
     print("encoder ms per audio", result["encoder_ms_per_audio"], flush=True)
