@@ -64,7 +64,8 @@ class LogMelSpectrogram:
         for row, audio in zip(host.numpy(), audios):
             assert audio.ndim == 1 and len(audio) <= N_SAMPLES, "chunk audio to 30 s before the engine"
             row[: len(audio)] = audio
-            row[len(audio):] = 0.0
+            if pinned:  # torch.empty: the padding is not zero yet
+                row[len(audio):] = 0.0
         return self.from_padded(host.to(self.device, non_blocking=pinned))
 
     def from_padded(self, samples: torch.Tensor) -> torch.Tensor:
