@@ -167,7 +167,7 @@ class ModelRunner:
             return SamplerOutput([], [])
         requests = scheduler_output.scheduled
         graphed = [] if self.decode_graphs is None else [i for i, r in enumerate(requests) if is_graphable(r)]
-        if not graphed:
+        if not graphed or len(graphed) > self.decode_graphs.max_rows:  # the largest graph: max_num_seqs rows
             logits, no_speech_probs, alignment_scores = self._eager_logits(requests)
         else:
             # Rows that only decode replay a CUDA graph; the others (new requests' prompts, rows
