@@ -7,7 +7,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from asrserve.engine.request import Attempt, DecodeSummary, SamplingParams
+from asrserve.engine.request import Attempt, DecodeSummary, Request, SamplingParams
 
 
 def compression_ratio(text: str) -> float:
@@ -45,6 +45,22 @@ def can_no_longer_pass(token_ids: list[int], text: Callable[[list[int]], str], t
     if threshold is None or not tail_repeats(token_ids, timestamp_begin):
         return False
     return compression_ratio(text(token_ids)) > threshold
+
+
+LOOP_CHECK_EVERY = 8  # tokens between checks for a looping sample
+
+
+def is_looping(sequence: Request, tokenizer) -> bool:
+    """A sample that can no longer pass, to be ended early; only where a fallback can follow (a
+    decode whose text is kept in any case runs on). Every 8th token: a loop runs on for many
+    more, and the check is Python on each sequence."""
+    group = (sequence.primary or sequence).group
+    if not group.has_fallback or len(sequence.output_token_ids) % LOOP_CHECK_EVERY:
+        return False
+    return can_no_longer_pass(
+        sequence.output_token_ids, tokenizer.decode, sequence.sampling_params.compression_ratio_threshold,
+        tokenizer.special.timestamp_begin,
+    )
 
 
 def summarize(

@@ -226,6 +226,18 @@ class Request:
         return self.primary is not None
 
     @property
+    def streams_tokens(self) -> bool:
+        """Its tokens are sent as they are sampled: the request's own (not a sibling's) single
+        decode, when it asked for them (SamplingParams.stream_tokens)."""
+        return not self.is_sibling and self.group.is_single_decode and self.sampling_params.stream_tokens
+
+    @property
+    def sends_first_token(self) -> bool:
+        """Its first token of its first decode, sent even where tokens are not streamed: it tells
+        the server that the text has begun."""
+        return not self.is_sibling and self.group.is_single_decode and len(self.output_token_ids) == 1
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

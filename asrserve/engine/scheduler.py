@@ -29,7 +29,7 @@ from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.decode_group import DecodeGroup
-from asrserve.engine.fallback import can_no_longer_pass, is_silence, summarize
+from asrserve.engine.fallback import is_looping, is_silence, summarize
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
 from asrserve.engine.waiting_queue import WaitingQueue
 from asrserve.engine.word_timing import text_token_times
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from asrserve.worker.sampler import SamplerOutput
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerOutput"]
-
-LOOP_CHECK_EVERY = 8  # tokens between checks for a looping sample
 
 
 @dataclass
@@ -184,37 +182,11 @@ class Scheduler:
                 outputs.extend(self._complete(request, "stop"))
             elif len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
                 outputs.extend(self._complete(request, "length"))
-            elif self._is_looping(request):
+            elif is_looping(request, self.tokenizer):
                 outputs.extend(self._complete(request, "stop"))
-            elif self._streams(request) or self._is_first_token(request):
-                outputs.append(
-                    RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)
-                )
+            elif request.streams_tokens or request.sends_first_token:
+                outputs.append(RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language))
         return outputs
-
-    @staticmethod
-    def _streams(sequence: Request) -> bool:
-        """Its tokens are sent as they come: the request's own (not a sibling's) single decode,
-        when it asked for them (SamplingParams.stream_tokens)."""
-        request = sequence.primary or sequence
-        return not sequence.is_sibling and request.group.is_single_decode and request.sampling_params.stream_tokens
-
-    @staticmethod
-    def _is_first_token(sequence: Request) -> bool:
-        """The first token of a request's first decode, sent even where tokens are not streamed:
-        it tells the server that the text has begun."""
-        return not sequence.is_sibling and sequence.group.is_single_decode and len(sequence.output_token_ids) == 1
-
-    def _is_looping(self, request: Request) -> bool:
-        """A sample that can no longer pass, ended early; only where a fallback can follow (a
-        decode whose text is kept in any case runs on). Every 8th token: a loop runs on for
-        many more, and the check is Python on each sequence."""
-        if not (request.primary or request).group.has_fallback or len(request.output_token_ids) % LOOP_CHECK_EVERY:
-            return False
-        return can_no_longer_pass(
-            request.output_token_ids, self.tokenizer.decode, request.sampling_params.compression_ratio_threshold,
-            self.tokenizer.special.timestamp_begin,
-        )
 
     def _complete(self, sequence: Request, reason: str) -> list[RequestOutput]:
         """A sample finished: record it, and finish the request if that decides it, or give
@@ -228,7 +200,7 @@ class Scheduler:
             self.tokenizer.special.eot,
         )
         attempt = Attempt(tokens, logprobs, summary, sequence.alignment_scores, reason)
-        streamed = self._streams(sequence)
+        streamed = sequence.streams_tokens
         chosen = group.record(sequence.sample_key, attempt)
         if chosen is None:
             key = group.next_unassigned()
