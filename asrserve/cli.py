@@ -34,7 +34,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
     group.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: launch every decode step op by op instead of replaying CUDA graphs "
                        "captured at start-up")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together per step")
+    group.add_argument("--max-num-seqs", type=int, default=None,
+                       help="requests decoded together per step (default: 256 on CUDA, 64 on CPU)")
     group.add_argument("--max-encoder-batch", type=int, default=8, help="audios per encoder forward")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")

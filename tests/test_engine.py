@@ -438,3 +438,14 @@ def test_a_decoder_prefix_is_continued_and_live_decodes_go_first(tiny_en_engine,
         engine.abort(request_id)
     run_to_completion(engine)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_max_num_seqs_defaults_to_64_on_cpu(tiny_en_engine):
+    """Unset, max_num_seqs is resolved by device (256 on CUDA: tests/test_gpu.py)."""
+    import torch
+
+    from asrserve.config import SchedulerConfig, default_max_num_seqs
+
+    assert SchedulerConfig().max_num_seqs is None
+    assert tiny_en_engine.config.scheduler.max_num_seqs == 64 == tiny_en_engine.scheduler.config.max_num_seqs
+    assert default_max_num_seqs(torch.device("cuda")) == 256

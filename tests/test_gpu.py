@@ -122,6 +122,8 @@ def test_cuda_defaults_to_bf16_with_fp32_logits(tmp_path):
     save_random_checkpoint(tmp_path, 51865)
     engine = EngineCore(engine_config(str(tmp_path)))
     assert engine.dtype == torch.bfloat16 and engine.runner.kv_cache.dtype == torch.bfloat16
+    # and 256 requests a step, with a decode graph for up to 256 rows
+    assert engine.scheduler.config.max_num_seqs == 256 and engine.runner.decode_graphs.max_rows == 256
     hidden = torch.randn(5, engine.dims.n_text_state, device="cuda", dtype=torch.bfloat16)
     logits = engine.runner.model.decoder.compute_logits(hidden)
     assert logits.dtype == torch.float32

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 
-from asrserve.config import EngineConfig, resolve_device, resolve_dtype
+from asrserve.config import EngineConfig, default_max_num_seqs, resolve_device, resolve_dtype
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import DecodeSummary, Request, SamplingParams
@@ -20,8 +21,12 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None):
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.device = resolve_device(config.model.device)
+        if config.scheduler.max_num_seqs is None:
+            scheduler = replace(config.scheduler, max_num_seqs=default_max_num_seqs(self.device))
+            config = replace(config, scheduler=scheduler)
+        self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         loaded = load_model(config.model, self.device, self.dtype)
         self.model_name = loaded.name

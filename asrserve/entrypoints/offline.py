@@ -82,7 +82,7 @@ class ASR:
         dtype: str = "auto",
         device: str = "auto",
         load_format: str = "auto",
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_encoder_batch: int = 8,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
