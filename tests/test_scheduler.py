@@ -545,3 +545,42 @@ def test_a_request_that_does_not_stream_tokens_sends_its_first_token_then_everyt
         elif not fallback:
             assert len(outputs) == 30, "one output per token"
     assert gathered[True] == gathered[False]
+
+
+def test_without_streamed_tokens_the_first_text_token_still_comes_before_the_finish():
+    """A timestamped decode begins with a timestamp: the outputs go on to the first text token,
+    which is when the server stamps the time to first token."""
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", params=SamplingParams(timestamps=True, stream_tokens=False)))
+    tokens = [TIMESTAMP_BEGIN, 1000, 1001, 1002, TIMESTAMP_BEGIN + 50, EOT]
+    outputs, _ = run_to_end(scheduler, lambda r: (tokens[len(r.output_token_ids)], -0.1))
+    assert [o.new_token_ids for o in outputs[:-1]] == [[TIMESTAMP_BEGIN], [1000]]
+    assert outputs[-1].finished and outputs[-1].new_token_ids == tokens
+
+
+def test_a_sequence_let_go_for_an_older_ones_sibling_leaves_the_step():
+    """Running sequences are scheduled oldest first; a sibling of an older request (they sit at
+    the end of the running list) may need a block only once a newer request is already in the
+    step, and that request is then preempted: it must not stay in the step (its blocks and
+    cross slot are gone)."""
+    from dataclasses import replace
+
+    always_fails = replace(SamplingParams.transcription(0.0), logprob_threshold=0.0)
+    runs_with_a_preemption = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        scheduler = make_scheduler(num_blocks=2 * 94 + 7, max_num_seqs=8)
+        scheduler.add(make_request("a", params=always_fails, max_tokens=60))
+        scheduler.add(make_request("b", max_tokens=200, prompt=[1] * rng.randrange(1, 30)))
+        for _ in range(400):
+            output = scheduler.schedule()
+            assert all(r.status is RequestStatus.RUNNING and r.cross_slot is not None for r in output.scheduled)
+            runs_with_a_preemption += bool(output.preempted)
+            tokens = [EOT if r.request_id.startswith("a") and rng.random() < 0.08 else rng.randrange(0, 40000)
+                      for r in output.scheduled]
+            scheduler.update(output, SamplerOutput(tokens, [-0.1] * len(tokens)))
+            if not scheduler.has_unfinished_requests():
+                break
+        assert not scheduler.has_unfinished_requests()
+        assert_nothing_held(scheduler)
+    assert runs_with_a_preemption

@@ -205,6 +205,7 @@ class Request:
         self.num_preemptions = 0
         # The sampler's generator for temperature sampling (torch.Generator), made on first use.
         self.generator = None
+        self.text_started = False  # a text token of its first decode has been sent (sends_first_token)
 
     def new_sibling(self, request_id: str) -> "Request":
         """A sequence for another sample of this request: its audio, prompt, language and
@@ -233,9 +234,9 @@ class Request:
 
     @property
     def sends_first_token(self) -> bool:
-        """Its first token of its first decode, sent even where tokens are not streamed: it tells
-        the server that the text has begun."""
-        return not self.is_sibling and self.group.is_single_decode and len(self.output_token_ids) == 1
+        """Its first decode's tokens up to the first text token (after any timestamp), sent even
+        where tokens are not streamed: they tell the server that the text has begun, and when."""
+        return not self.is_sibling and self.group.is_single_decode and not self.text_started
 
     @property
     def num_tokens(self) -> int:

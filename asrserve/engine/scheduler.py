@@ -121,8 +121,10 @@ class Scheduler:
                 self.block_manager.grow(request)
                 output.scheduled.append(request)
 
-        # After a preemption the pool is tight: starting more would only preempt again.
+        # After a preemption the pool is tight: starting more would only preempt again. What
+        # was let go may have been scheduled before a sibling further down needed its blocks.
         if output.preempted:
+            output.scheduled = [r for r in output.scheduled if r.status is RequestStatus.RUNNING]
             return output
         # Usually none: only requests in fallback or best_of have samples waiting.
         pending = [
@@ -186,6 +188,7 @@ class Scheduler:
                 outputs.extend(self._complete(request, "stop"))
             elif request.streams_tokens or request.sends_first_token:
                 outputs.append(RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language))
+                request.text_started |= token_id < self.tokenizer.special.eot
         return outputs
 
     def _complete(self, sequence: Request, reason: str) -> list[RequestOutput]:

@@ -4,7 +4,7 @@ Launched op by op, a decode step of large-v3-turbo at 256 requests spent more ti
 (4.3 ms: hundreds of kernel launches and the metadata they need) than the GPU spent working
 (3.6 ms). A graph replays the whole decoder and the logits in one launch.
 
-One graph per bucket of batch sizes (1, 2, 4, 8, then every 16 up to max_num_seqs), captured
+One graph per bucket of batch sizes (every 16 up to max_num_seqs), captured
 at start-up into one shared memory pool. All of them read the same static input buffers, of
 which a step fills the first `bucket` rows: token ids, positions, the slot each token's K/V is
 written to, the length and block table of each request's self-attention, and its cross slot;
@@ -34,9 +34,12 @@ _COLUMNS = ("input_ids", "positions", "slot_mapping", "context_lens", "cross_slo
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, then every 16, and max_rows itself: padding a step costs at most 15 rows."""
-    sizes = {1, 2, 4, 8, *range(16, max_rows, 16), max_rows}
-    return sorted(s for s in sizes if s <= max_rows)
+    """Every 16 rows, and max_rows itself: padding a step costs at most 15 rows. None under 16
+    (unless max_rows is): eager steps are padded to at least 16 rows too (batch_invariant_padding),
+    since GEMMs of a few rows take other kernels, which round differently (an H100: a row's fp32
+    logits moved by ~4e-6 between 1-8 rows and 16). A decode step's cost is its weights and
+    K/V reads, not its few padding rows."""
+    return sorted({*range(16, max_rows, 16), max_rows})
 
 
 class DecodeGraphs:

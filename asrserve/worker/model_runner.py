@@ -74,6 +74,10 @@ class ModelRunner:
         self.model = loaded.model
         self.dims = loaded.model.dims
         self.device = device
+        if device.type == "cuda":
+            # Triton launches, CUDA graph capture, streams and events act on the current device,
+            # not the tensors' (cuda:N with N > 0); the engine process runs on one device.
+            torch.cuda.set_device(device)
         self.dtype = dtype
         self.block_size = config.cache.block_size
         self.log_mel = LogMelSpectrogram(self.dims.n_mels, device)
