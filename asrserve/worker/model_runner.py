@@ -74,7 +74,7 @@ class ModelRunner:
         self.model = loaded.model
         self.dims = loaded.model.dims
         self.device = device
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:
             # Triton launches, CUDA graph capture, streams and events act on the current device,
             # not the tensors' (cuda:N with N > 0); the engine process runs on one device.
             torch.cuda.set_device(device)
