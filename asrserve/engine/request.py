@@ -39,10 +39,11 @@ class SamplingParams:
     # need a fixed output length, as vLLM's ignore_eos.
     ignore_eos: bool = False
     # Send each token as it is sampled (streamed transcriptions, live sessions). False: the
-    # first token (the text has begun: the server stops counting the request as waiting), then
-    # the whole decode with the finish. A non-streamed response reads only the end, and sending
-    # every token was, at 256 requests stepping every 5 ms on a GPU, ~50,000 outputs a second
-    # for the server's event loop to route: its throughput over HTTP was a third of the engine's.
+    # tokens up to the first text token (the text has begun: the server stops counting the
+    # request as waiting and stamps its time to first token), then the whole decode with the
+    # finish. A non-streamed response reads only the end, and sending every token was, at 256
+    # requests stepping every 5 ms on a GPU, ~50,000 outputs a second for the server's event
+    # loop to route: its throughput over HTTP was a third of the engine's.
     stream_tokens: bool = True
 
     def __post_init__(self) -> None:
