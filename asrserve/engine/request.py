@@ -231,13 +231,23 @@ class Request:
     def streams_tokens(self) -> bool:
         """Its tokens are sent as they are sampled: the request's own (not a sibling's) single
         decode, when it asked for them (SamplingParams.stream_tokens)."""
-        return not self.is_sibling and self.group.is_single_decode and self.sampling_params.stream_tokens
+        return self._decodes_alone and self.sampling_params.stream_tokens
 
     @property
     def sends_first_token(self) -> bool:
         """Its first decode's tokens up to the first text token (after any timestamp), sent even
         where tokens are not streamed: they tell the server that the text has begun, and when."""
-        return not self.is_sibling and self.group.is_single_decode and not self.text_started
+        return self._decodes_alone and not self.text_started
+
+    @property
+    def _decodes_alone(self) -> bool:
+        return not self.is_sibling and self.group.is_single_decode
+
+    @property
+    def reads_no_speech_prob(self) -> bool:
+        """The next step computes <|startoftranscript|>, where no_speech_prob is read, and it
+        is not known yet."""
+        return self.no_speech_prob is None and self.num_computed_tokens <= self.sot_index < self.num_tokens
 
     @property
     def num_tokens(self) -> int:

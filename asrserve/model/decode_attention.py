@@ -98,16 +98,15 @@ def _launch(query: torch.Tensor, layer_cache: torch.Tensor, *, lengths=None, tab
     out = torch.empty(num_rows, num_heads * head_dim, dtype=query.dtype, device=query.device)
     if num_rows == 0:
         return out
-    block_size = layer_cache.shape[2] if not cross else 1
-    dummy = slots if cross else lengths
+    # The other mode's pointers are never read: any integer tensor stands in for them.
+    stand_in = slots if cross else lengths
     _kernel()[(num_rows, num_heads)](
         query, layer_cache[0], layer_cache[1], out,
-        lengths if lengths is not None else dummy, tables if tables is not None else dummy,
-        slots if slots is not None else dummy,
-        query.stride(0), query.stride(1), tables.stride(0) if tables is not None else 0, slot_tokens, cross_len,
+        stand_in if cross else lengths, stand_in if cross else tables, slots if cross else stand_in,
+        query.stride(0), query.stride(1), 0 if cross else tables.stride(0), slot_tokens, cross_len,
         head_dim**-0.5,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_T=64, BLOCK_SIZE=block_size, CROSS=cross, num_warps=4,
+        BLOCK_T=64, BLOCK_SIZE=1 if cross else layer_cache.shape[2], CROSS=cross, num_warps=4,
     )
     return out
 

@@ -16,8 +16,8 @@ no faster here and would hold the weights twice, so it is off.
 On CUDA the whole batch goes through one graph whose batch dimension is dynamic (one
 compilation for every batch size): a GPU needs the batch to fill it, and the fused elementwise
 work (GELU, layer norms, residual adds) is what the eager encoder loses next to its GEMMs
-(large-v3-turbo on an H100: 6.24 ms per 30 s audio eager, 4.89 compiled, after ~50 s of
-compilation at start-up; docs/benchmarks.md).
+(large-v3-turbo on an H100: 6.18 ms per 30 s audio eager, 4.83 compiled at batch 32, after
+~40 s of compilation at start-up; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -144,7 +144,5 @@ class DecodeGraphs:
 def is_graphable(request: Request) -> bool:
     """The request adds exactly one token and needs neither its no-speech probability nor
     word-timestamp scores (rows and scores a graph does not produce)."""
-    start = request.num_computed_tokens
-    if request.num_tokens - start != 1 or request.sampling_params.word_timestamps:
-        return False
-    return not (request.no_speech_prob is None and start == request.sot_index)
+    return (request.num_new_tokens == 1 and not request.sampling_params.word_timestamps
+            and not request.reads_no_speech_prob)

@@ -52,16 +52,17 @@ class DecoderInputBuilder:
         self.device = device
         self.gather_buffers = GatherBuffers()
 
-    def build(self, requests: list[Request]) -> DecoderInputs:
+    def build(self, requests: list[Request], decode_kernels: bool = True) -> DecoderInputs:
         """Flattens every request's uncomputed tokens into one batch, with the pool slots they
-        write and the blocks they read."""
+        write and the blocks they read. decode_kernels=False keeps a pure decode step on the
+        gather path too."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens = [], []
         no_speech_rows: list[tuple[int, int]] = []
         for index, request in enumerate(requests):
             start, end = request.num_computed_tokens, request.num_tokens
-            if request.no_speech_prob is None and start <= request.sot_index < end:
+            if request.reads_no_speech_prob:
                 no_speech_rows.append((index, len(token_ids) + request.sot_index - start))
             token_ids.extend(request.token_ids_from(start))
             positions.extend(range(start, end))
@@ -81,7 +82,7 @@ class DecoderInputBuilder:
         )
         cross_slots = [r.cross_slot for r in requests]
 
-        decode_kernels = self.decode_kernels and max_query_len == 1
+        decode_kernels = decode_kernels and self.decode_kernels and max_query_len == 1
         context_lens_t = self._tensor(np.asarray(context_lens))
         padded_index = None
         if max_query_len > 1:

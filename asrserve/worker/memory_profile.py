@@ -71,11 +71,7 @@ def worst_step_bytes(runner, config: EngineConfig, wanted_blocks: int) -> int:
         requests = _full_context_requests(runner, config.scheduler.max_num_seqs)
         # The gather path, not the decode kernels: a step with any prompt rows runs its
         # self-attention through gathered K/V buffers, the larger transient.
-        kernels, runner.decoder_inputs.decode_kernels = runner.decoder_inputs.decode_kernels, False
-        try:
-            inputs = runner.decoder_inputs.build(requests)
-        finally:
-            runner.decoder_inputs.decode_kernels = kernels
+        inputs = runner.decoder_inputs.build(requests, decode_kernels=False)
         hidden = runner.model.decoder(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.metadata)
         logits = runner.model.decoder.compute_logits(hidden[inputs.logits_indices])
         del hidden
