@@ -449,3 +449,21 @@ def test_max_num_seqs_defaults_to_64_on_cpu(tiny_en_engine):
     assert SchedulerConfig().max_num_seqs is None
     assert tiny_en_engine.config.scheduler.max_num_seqs == 64 == tiny_en_engine.scheduler.config.max_num_seqs
     assert default_max_num_seqs(torch.device("cuda")) == 256
+
+
+def test_writing_cross_kv_zeros_the_slots_rounding_positions():
+    """The CPU 16-bit cross-attention reads whole slots and masks the positions past cross_len;
+    write_cross_kv zeros them, so a slot whose blocks held NaN before is still read as finite."""
+    import torch
+
+    from asrserve.model.attention import cross_slot_view, write_cross_kv
+
+    cross_len, slot_tokens, heads, head_dim = 100, 112, 4, 16
+    layer_cache = torch.full((2, 3 * 7, 16, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    key, value = torch.randn(2, cross_len, heads, head_dim).bfloat16().unbind(0)
+    write_cross_kv(layer_cache, key, value, slot=1, slot_tokens=slot_tokens)
+    for layer_kv, written in ((layer_cache[0], key), (layer_cache[1], value)):
+        whole = cross_slot_view(layer_kv, 1, 1, slot_tokens, slot_tokens)[0]
+        assert torch.equal(whole[:, :cross_len], written.transpose(0, 1))
+        assert torch.equal(whole[:, cross_len:], torch.zeros_like(whole[:, cross_len:]))
+        assert cross_slot_view(layer_kv, 0, 1, slot_tokens, slot_tokens).isnan().all()  # its neighbours untouched
