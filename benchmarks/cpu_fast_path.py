@@ -1,6 +1,6 @@
 """What each lever of the CPU fast path buys, measured on this machine with tiny.en:
 
-    python benchmarks/cpu_fast_path.py [--batch 8] [--requests 8,32] [--only decode-step]
+    python benchmarks/cpu_fast_path.py [--batch 8] [--requests 8,32] [--only decode-step] [--decode-dtype bfloat16]
     python benchmarks/cpu_fast_path.py --only encoder-float32   # quick: no bf16 rows
 
 Encoder: milliseconds per 30 s window for float32 (SDPA) with MKL's linears and with oneDNN's
@@ -9,8 +9,8 @@ bfloat16 with our one-head-at-a-time attention (the eager fast path), and the co
 encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross-attention
 over 1500 encoder positions for N decoding requests, torch's SDPA against our head-major
 matmuls (copies included), in bfloat16. Decode step: the whole decoder forward and the logits
-for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16),
-as the engine runs it (linears through oneDNN over packed weights, steps unpadded) with the
+for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16;
+--decode-dtype bfloat16 for those with it), as the engine runs it (linears through oneDNN over packed weights, steps unpadded) with the
 requests' cross slots side by side and scattered (every other slot: one attention call per
 request), and with MKL's linears and steps padded to 16 rows as it ran before. Run in a tree
 from before cross-attention was read in place, the engine path is that tree's.
@@ -108,7 +108,8 @@ def cross_attention_rows(requests: list[int], repeats: int) -> list[tuple[str, f
     return rows
 
 
-def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list[tuple[str, float]]:
+def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
+                     dtype: torch.dtype = torch.float32) -> list[tuple[str, float]]:
     """The engine's decoder forward and logits for n requests decoding their 45th token, with
     their cross slots side by side (one attention call per layer) and scattered (every other
     slot: one call per request), and the gathered reference. The variants take turns, `rounds`
@@ -117,11 +118,11 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list
     Run in an older tree (no cross_in_place), the engine path is that tree's: how "before" in
     docs/benchmarks.md was measured."""
     cpu = torch.device("cpu")
-    loaded = load_model(ModelConfig(), cpu, torch.float32)
+    loaded = load_model(ModelConfig(), cpu, dtype)
     decoder, dims = loaded.model.decoder, loaded.model.dims
     # The engine's float32 CPU path packs the linears and runs steps unpadded; the MKL model
     # with steps padded to 16 rows is how it ran before (packed_linear.py).
-    mkl_decoder = load_model(ModelConfig(), cpu, torch.float32).model.decoder
+    mkl_decoder = load_model(ModelConfig(), cpu, dtype).model.decoder
     packed = pack_decoder_linears(loaded.model)
     special = loaded.tokenizer.special
     prompt = [special.sot, special.no_timestamps, *range(400, 443)]
@@ -131,7 +132,7 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5) -> list
         for layout, spacing in (("slots side by side", 1), ("slots scattered", 2)):
             blocks = BlockManager(spacing * n * (94 + 3) + 8, block_size, dims.n_audio_ctx)
             kv_cache = torch.randn(dims.n_text_layer, 2, blocks.num_blocks, block_size, dims.n_text_head,
-                                   dims.head_dim, generator=torch.Generator().manual_seed(0))
+                                   dims.head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
             admitted = []
             for i in range(spacing * n):
                 request = Request(f"r{i}", np.zeros(16000, np.float32), prompt, SamplingParams(), 100)
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--requests", default="8,32", help="decoding requests for the cross-attention rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=("encoder", "encoder-float32", "cross-attention", "decode-step"), help="one section only")
+    parser.add_argument("--decode-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the decode-step section's dtype (bfloat16: the default on CPUs with native bf16)")
     args = parser.parse_args()
     requests = [int(n) for n in args.requests.split(",")]
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
@@ -185,8 +188,9 @@ def main() -> None:
         for name, ms in cross_attention_rows(requests, 4 * args.repeats):
             print(f"  {name:<44}{ms:>8.2f}")
     if args.only in (None, "decode-step"):
-        print("\ndecode step, tiny.en, float32: ms per step (decoder forward and logits)")
-        for name, ms in decode_step_rows(requests, 2 * args.repeats):
+        dtype = getattr(torch, args.decode_dtype)
+        print(f"\ndecode step, tiny.en, {args.decode_dtype}: ms per step (decoder forward and logits)")
+        for name, ms in decode_step_rows(requests, 2 * args.repeats, dtype=dtype):
             print(f"  {name:<52}{ms:>8.2f}")
 
 

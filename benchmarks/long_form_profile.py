@@ -1,7 +1,7 @@
 """Where the time goes when asrserve transcribes long audio offline: engine steps by decoder
 batch size, the steps that ran the encoder, pieces, continuations and samples, and WER.
 
-    python benchmarks/long_form_profile.py [--model tiny.en] [--set real-en] [--repeats 1]
+    python benchmarks/long_form_profile.py [--model tiny.en] [--set real-en] [--repeats 1] [--dtype auto]
 
 The set is one of benchmarks/long_form.py's (built the same way); every file goes to one
 ASR.transcribe call with OpenAI's defaults, as long_form.py's asrserve-auto-seek system does.
@@ -82,12 +82,13 @@ def main() -> None:
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--set", default="real-en", choices=("real-en", "real-multi", "espeak-en", "mostly-silence"))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: what `asrserve serve` picks here)")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="asrserve-long-profile-"))
     files = build_sets([args.set], directory).get(args.set)
     if not files:
         raise SystemExit(f"{args.set} could not be built (is ../shared/audio there?)")
-    asr = ASR(args.model, dtype="float32")
+    asr = ASR(args.model, dtype=args.dtype)
     asr.transcribe([soundfile.read(directory / files[0]["file"], dtype="float32")[0][:16000 * 5]])  # warm-up
     for _ in range(args.repeats):
         report(profile(asr, files, directory), files, args.set)
