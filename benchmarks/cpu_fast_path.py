@@ -10,9 +10,10 @@ encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross
 over 1500 encoder positions for N decoding requests, torch's SDPA against our head-major
 matmuls (copies included), in bfloat16. Decode step: the whole decoder forward and the logits
 for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16;
---decode-dtype bfloat16 for those with it), as the engine runs it (linears through oneDNN over packed weights, steps unpadded) with the
-requests' cross slots side by side and scattered (every other slot: one attention call per
-request), and with MKL's linears and steps padded to 16 rows as it ran before. Run in a tree
+--decode-dtype bfloat16 for those with it), as the engine runs it (linears through oneDNN over
+packed weights, steps unpadded) with the requests' cross slots side by side and scattered
+(every other slot: one attention call per request), and with MKL's linears and steps padded to
+16 rows as it ran before. Run in a tree
 from before cross-attention was read in place, the engine path is that tree's.
 """
 
