@@ -128,7 +128,7 @@ def test_the_cpu_engine_runs_packed_and_unpadded(tiny_en_engine):
 
 @needs_bf16_kernel
 @pytest.mark.slow
-def test_the_bf16_cpu_engine_runs_packed_and_unpadded_with_float32_logits():
+def test_the_bf16_cpu_engine_runs_packed_and_unpadded_with_refined_logits():
     from asrserve.engine.engine_core import EngineCore
     from tests.conftest import engine_config
 
@@ -136,11 +136,19 @@ def test_the_bf16_cpu_engine_runs_packed_and_unpadded_with_float32_logits():
     assert runner.linears_packed and runner.decoder_inputs.padding_multiple == 0
     decoder = runner.model.decoder
     assert not any(isinstance(m, nn.Linear) for m in decoder.modules())
-    hidden = torch.randn(3, decoder.embed_tokens.weight.shape[1]).bfloat16()
+    weight = decoder.embed_tokens.weight
+    hidden = (weight[[50, 400, 7000]].float() * 4).bfloat16()  # each row's top: its own token
+    assert decoder.logits_rounded
     with torch.inference_mode():
         logits = decoder.compute_logits(hidden)
-    assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, hidden.float() @ decoder.embed_tokens.weight.float().T, rtol=1e-4, atol=1e-4)
+        assert logits.dtype == torch.float32
+        exact = hidden.float() @ weight.float().T
+        # rounded to bf16: within 2^-8 of each logit's size, not more
+        assert ((logits - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
+        decoder.exact_logits(hidden).refine_near_top(logits)
+    near = exact >= exact.amax(-1, keepdim=True) - 1.0
+    torch.testing.assert_close(logits[near], exact[near], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
 @needs_onednn

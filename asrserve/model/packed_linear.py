@@ -1,6 +1,6 @@
 """Linear layers on CPU through oneDNN, over weights packed once at start-up: float32, and
-bfloat16 (where the decoder runs in bf16, its output projection still runs over a packed float32
-copy: see TextDecoder.compute_logits).
+bfloat16 (where the decoder runs in bf16, its output projection is packed in bf16 too and the
+logits that decide are recomputed exactly: rounded_logits.py).
 
 Two reasons, both measured on tiny.en (2 AVX2 cores, float32; docs/benchmarks.md; and on 2
 AVX512-BF16 cores in bf16, where a lone request's step paid 16 rows of MKL's float32 logits
@@ -30,8 +30,7 @@ against F.linear).
 Where it does not hold, the decoder is left to MKL and the runner keeps padding
 (`batch_invariant_padding`). A packed weight replaces its linear's (an opaque oneDNN tensor);
 the output projection's is a second copy, since the token embedding still reads the original
-(float32: 80 MB more for tiny.en, 265 MB for large-v3; with 16-bit weights it is the float32
-copy the logits need anyway). A packed model cannot be moved or cast afterwards (PackedLinear
+(float32: 80 MB more for tiny.en, 265 MB for large-v3; half that with 16-bit weights). A packed model cannot be moved or cast afterwards (PackedLinear
 refuses), since its packed copies would not follow.
 """
 
@@ -186,11 +185,11 @@ def pack_decoder_linears(model: nn.Module) -> bool:
     with pack_linears where it is not compiled: inductor takes packed weights only as frozen
     constants.)
 
-    The output projection is packed in float32 whatever the model's dtype: the logits are
-    computed in float32 (TextDecoder.compute_logits), over a float32 copy of 16-bit weights."""
+    The output projection is packed in the model's dtype: with 16-bit weights its product is
+    rounded and the logits that decide are recomputed exactly (rounded_logits.py)."""
     decoder = model.decoder
     if decoder.packed_output_weight is None:
-        output = _packed_weights({"output": (decoder.embed_tokens.weight, None)}, OUTPUT_CHECK_ROWS, torch.float32)
+        output = _packed_weights({"output": (decoder.embed_tokens.weight, None)}, OUTPUT_CHECK_ROWS)
         if output is None or not pack_linears(decoder):
             return False
         decoder.packed_output_weight = output["output"]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asrserve.model import decode_attention
+from asrserve.model.rounded_logits import ExactLogits
 from asrserve.model.attention import (
     AttentionMetadata,
     alignment_scores,
@@ -235,23 +236,34 @@ class TextDecoder(nn.Module):
         for layer_cache, layer in zip(kv_cache, self.layers):
             layer.encoder_attn.write_cross_kv(encoder_out, layer_cache, slots, slot_tokens)
 
+    @property
+    def logits_rounded(self) -> bool:
+        """Whether compute_logits gives 16-bit-rounded logits that the caller refines with
+        exact_logits (CPU with a packed 16-bit output projection: rounded_logits.py)."""
+        return self.packed_output_weight is not None and self.embed_tokens.weight.dtype != torch.float32
+
+    def exact_logits(self, hidden: torch.Tensor) -> ExactLogits:
+        return ExactLogits(hidden, self.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The output projection is tied to the token embedding. On CPU with 16-bit weights it
-        # runs in fp32 (over a cached fp32 copy of the embedding): bf16 logits are rounded to
-        # 1/8 near 20, which ties and flips greedy choices. With fp32 logits tiny.en's bf16
-        # transcripts of real speech equal its fp32 ones (benchmarks/dtype_accuracy.py); the
-        # step pays ~2 ms for reading twice the bytes.
+        # The output projection is tied to the token embedding. Its logits are float32.
         #
-        # On CPU it runs over a oneDNN-packed float32 copy when the runner packed the model's
-        # linears (packed_linear.py: the same bits at any row count, and quicker). Otherwise as
+        # On CPU it runs through oneDNN over a packed copy of the weight when the runner packed
+        # the model's linears (packed_linear.py: the same bits at any row count, and quicker).
+        # With 16-bit weights that copy is 16-bit too and the product is rounded to bf16, so
+        # the caller recomputes the logits that decide anything exactly (logits_rounded,
+        # exact_logits; rounded_logits.py). Unpacked, 16-bit weights multiply as a float32 copy
+        # (bf16 logits are rounded to 1/8 near 20, which ties and flips greedy choices), as
         # weight @ hidden.T: for a few rows against the 52k-token vocabulary MKL's kernel for
         # hidden @ weight.T repacks the whole 80 MB weight on every call, and the step's logits
         # take 1.3-2x as long (tiny.en, 8 and 32 rows, 2 cores).
         #
-        # On CUDA the same holds; there cuBLAS multiplies the 16-bit operands and writes fp32
-        # (out_dtype): the same sums as over fp32 copies, without an fp32 GEMM (turbo, 256
-        # rows on an H100: 0.86 ms in fp32).
+        # On CUDA cuBLAS multiplies the 16-bit operands and writes fp32 (out_dtype): the same
+        # sums as over fp32 copies, without an fp32 GEMM (turbo, 256 rows on an H100: 0.86 ms
+        # in fp32).
         if self.packed_output_weight is not None:
+            if self.logits_rounded:
+                return packed_linear(hidden, self.packed_output_weight, None).float()
             return packed_linear(hidden.float(), self.packed_output_weight, None)
         weight = self.embed_tokens.weight
         if hidden.device.type == "cuda" and weight.dtype != torch.float32 and self._mm_out_fp32:

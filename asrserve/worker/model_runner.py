@@ -18,6 +18,7 @@ from asrserve.model import decode_attention
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pack_linears
+from asrserve.model.rounded_logits import ExactLogits
 from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
@@ -172,37 +173,44 @@ class ModelRunner:
         requests = scheduler_output.scheduled
         graphed = [] if self.decode_graphs is None else [i for i, r in enumerate(requests) if is_graphable(r)]
         if not graphed or len(graphed) > self.decode_graphs.max_rows:  # the largest graph: max_num_seqs rows
-            logits, no_speech_probs, alignment_scores = self._eager_logits(requests)
+            logits, no_speech_probs, alignment_scores, exact = self._eager_logits(requests)
         else:
             # Rows that only decode replay a CUDA graph; the others (new requests' prompts, rows
             # that read a no-speech probability or word-timestamp scores) run eagerly beside
             # them. Under a steady flow of arrivals nearly every step has a few such rows, and
             # a step run wholly eager took ~1.5x a graphed one.
-            logits = self.decode_graphs.run([requests[i] for i in graphed])
+            logits, exact = self.decode_graphs.run([requests[i] for i in graphed]), None  # CUDA: never rounded
             no_speech_probs, alignment_scores = [None] * len(requests), [None] * len(requests)
             if len(graphed) < len(requests):
                 taken = set(graphed)
                 eager = [i for i in range(len(requests)) if i not in taken]
-                eager_logits, eager_no_speech, eager_alignment = self._eager_logits([requests[i] for i in eager])
+                eager_logits, eager_no_speech, eager_alignment, _ = self._eager_logits([requests[i] for i in eager])
                 merged = logits.new_empty(len(requests), logits.shape[1])
                 merged[to_device(graphed, torch.long, self.device)] = logits
                 merged[to_device(eager, torch.long, self.device)] = eager_logits
                 logits = merged
                 for index, no_speech, alignment in zip(eager, eager_no_speech, eager_alignment):
                     no_speech_probs[index], alignment_scores[index] = no_speech, alignment
-        sampled = self.sampler(logits, requests)
+        sampled = self.sampler(logits, requests, exact)
         sampled.no_speech_probs = no_speech_probs
         sampled.alignment_scores = alignment_scores
         return sampled
 
-    def _eager_logits(self, requests: list[Request]) -> tuple[torch.Tensor, list, list]:
+    def _eager_logits(self, requests: list[Request]) -> tuple[torch.Tensor, list, list, ExactLogits | None]:
         """The decoder launched op by op over every token the requests bring: their logits
-        [len(requests), vocab], no-speech probabilities and alignment scores."""
+        [len(requests), vocab], no-speech probabilities and alignment scores, and where the
+        logits are rounded (16-bit on CPU) what recomputes them exactly for the sampler."""
         inputs = self.decoder_inputs.build(requests)
         hidden = self.model.decoder(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
-        logits = self.model.decoder.compute_logits(hidden[inputs.logits_indices])
+        decoder = self.model.decoder
+        logits_hidden = hidden[inputs.logits_indices]
+        logits = decoder.compute_logits(logits_hidden)
+        exact = None
+        if decoder.logits_rounded:
+            exact = decoder.exact_logits(logits_hidden)
+            exact.refine_near_top(logits)  # what the no-speech probability and Whisper's rules read
         no_speech_probs = self._no_speech_probs(logits[len(requests):], inputs.no_speech_rows, len(requests))
-        return logits[: len(requests)], no_speech_probs, self._alignment_scores(inputs, len(requests))
+        return logits[: len(requests)], no_speech_probs, self._alignment_scores(inputs, len(requests)), exact
 
     def _no_speech_probs(self, logits: torch.Tensor, rows: list[tuple[int, int]], num_requests: int) -> list:
         """P(<|nospeech|>) from the unfiltered logits at <|startoftranscript|>, as Whisper reads

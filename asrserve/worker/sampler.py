@@ -12,6 +12,7 @@ import torch
 
 from asrserve.config import SAMPLE_RATE
 from asrserve.engine.request import Request
+from asrserve.model.rounded_logits import ExactLogits
 
 SAMPLES_PER_TIMESTAMP = SAMPLE_RATE // 50  # timestamps are 0.02 s apart
 
@@ -200,8 +201,10 @@ class Sampler:
         self.suppress_blank = SuppressBlank(begin_suppress_tokens, device)
         self.only_languages = OnlyLanguages(language_ids, vocab_size, device)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits [num_requests, vocab] float32, one row per request, in the same order."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request], exact: ExactLogits | None = None) -> SamplerOutput:
+        """logits [num_requests, vocab] float32, one row per request, in the same order.
+        exact: where the logits are rounded (a 16-bit output projection on CPU), what
+        recomputes them; the entries near each row's top after the rules are made exact."""
         language_rows = [i for i, r in enumerate(requests) if r.needs_language]
         first_rows = [i for i, r in enumerate(requests) if not r.needs_language and not r.output_token_ids]
         self.suppress_tokens.apply(logits)
@@ -217,6 +220,10 @@ class Sampler:
              for i in timestamp_rows],
         )
 
+        if exact is not None:
+            # The rules may have masked the row's top: the tokens now near the top are exact
+            # too, so the choice and its log-probability are the float32 logits' (rounded_logits.py).
+            exact.refine_near_top(logits)
         # A chosen token's log-probability is its logit less the row's log-normaliser: one
         # reduction, where log_softmax would also write out a [rows, vocab] tensor.
         log_normalizers = batch_invariant_logsumexp(logits)
