@@ -55,9 +55,11 @@ def test_refinement_after_masking_reaches_the_new_top():
     refine = ExactLogits(hidden, weight)
     with torch.inference_mode():
         refine.refine_near_top(rounded)
-        # mask everything but the two near-tied tokens' neighbours... and the tied pair itself
+        # a rule masks everything but the near-tied pair, which then holds rounded values again
+        # (as after a first refinement that reached other tokens)
         masked = torch.full_like(rounded, float("-inf"))
-        masked[:, -2:] = (hidden @ weight[-2:].T).float()  # rounded values again, as a rule's fill leaves them
+        masked[:, -2:] = (hidden @ weight[-2:].T).float()
+        assert not torch.equal(masked.argmax(-1), exact[:, -2:].argmax(-1) + weight.shape[0] - 2)
         refine.refine_near_top(masked)
     assert torch.equal(masked.argmax(-1), exact[:, -2:].argmax(-1) + weight.shape[0] - 2)
 

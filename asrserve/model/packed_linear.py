@@ -30,8 +30,9 @@ against F.linear).
 Where it does not hold, the decoder is left to MKL and the runner keeps padding
 (`batch_invariant_padding`). A packed weight replaces its linear's (an opaque oneDNN tensor);
 the output projection's is a second copy, since the token embedding still reads the original
-(float32: 80 MB more for tiny.en, 265 MB for large-v3; half that with 16-bit weights). A packed model cannot be moved or cast afterwards (PackedLinear
-refuses), since its packed copies would not follow.
+(float32: 80 MB more for tiny.en, 265 MB for large-v3; half that with 16-bit weights). A
+packed model cannot be moved or cast afterwards (PackedLinear refuses), since its packed copies
+would not follow.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 # Tokens within this many nats of the top are recomputed: their probabilities are at least
-# e^-1 of the top's; on the mixed clips a row has a median of 2-3 such tokens and at most ~50.
+# e^-1 of the top's. With the rounding margin, tiny.en on the mixed clips recomputes 2 tokens
+# a row at the median, 11 at the 99th percentile, 25 at most (3688 rows).
 NEAR_TOP_NATS = 1.0
 
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from asrserve.model import decode_attention
-from asrserve.model.rounded_logits import ExactLogits
 from asrserve.model.attention import (
     AttentionMetadata,
     alignment_scores,
@@ -21,6 +20,7 @@ from asrserve.model.attention import (
     write_kv,
 )
 from asrserve.model.packed_linear import packed_linear
+from asrserve.model.rounded_logits import ExactLogits
 
 
 @dataclass(frozen=True)
