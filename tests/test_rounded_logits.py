@@ -46,22 +46,33 @@ def test_refined_logits_choose_as_float32_logits_do():
 
 def test_refinement_after_masking_reaches_the_new_top():
     """Whisper's rules can mask a row's top (forced timestamps, suppressed tokens): the sampler
-    refines again, and the choice among what is left is float32's."""
+    refines again the rows whose top went, and the choice among what is left is float32's."""
     hidden, weight = _near_ties()
-    weight = torch.cat([weight[2:], weight[:2]])  # tokens 0/1 of _near_ties now at the end
-    hidden = hidden.clone()
+    weight = weight.clone()
+    weight[2] = (weight[0].float() * 1.25).bfloat16()  # ~7 nats above the near-tied pair, in every row
     exact = hidden.float() @ weight.float().T
+    assert torch.equal(exact.argmax(-1), torch.full((len(hidden),), 2))
     rounded = (hidden @ weight.T).float()
     refine = ExactLogits(hidden, weight)
     with torch.inference_mode():
-        refine.refine_near_top(rounded)
-        # a rule masks everything but the near-tied pair, which then holds rounded values again
-        # (as after a first refinement that reached other tokens)
-        masked = torch.full_like(rounded, float("-inf"))
-        masked[:, -2:] = (hidden @ weight[-2:].T).float()
-        assert not torch.equal(masked.argmax(-1), exact[:, -2:].argmax(-1) + weight.shape[0] - 2)
-        refine.refine_near_top(masked)
-    assert torch.equal(masked.argmax(-1), exact[:, -2:].argmax(-1) + weight.shape[0] - 2)
+        top = refine.refine_near_top(rounded)  # the first pass: token 2 and what is near it, not the pair
+        assert not torch.equal(rounded[:, :2].argmax(-1), exact[:, :2].argmax(-1))
+        rounded[:, 2] = float("-inf")  # a rule masks the top
+        refine.refine_where_the_top_fell(rounded, top)
+    assert torch.equal(rounded.argmax(-1), exact[:, :2].argmax(-1))
+    torch.testing.assert_close(rounded[:, :2], exact[:, :2], rtol=1e-6, atol=1e-5)
+
+
+def test_a_second_refinement_leaves_rows_whose_top_stayed():
+    hidden, weight = _near_ties()
+    rounded = (hidden @ weight.T).float()
+    refine = ExactLogits(hidden, weight)
+    with torch.inference_mode():
+        top = refine.refine_near_top(rounded)
+        rounded[:, 5:] = float("-inf")  # masks tokens far below the top
+        rounded[:, 2:5] = -1.0  # (values a second pass would overwrite, were it to run)
+        refine.refine_where_the_top_fell(rounded, top)
+    assert (rounded[:, 2:5] == -1.0).all()
 
 
 needs_bf16_kernel = pytest.mark.skipif(
@@ -81,3 +92,7 @@ def test_a_rows_refined_logits_are_the_same_alone_and_in_a_batch():
             alone = packed_linear.packed_linear(hidden[row:row + 1], packed, None).float()
             ExactLogits(hidden[row:row + 1], weight).refine_near_top(alone)
             assert torch.equal(alone[0], batched[row])
+        # rows of a batch's tail (the no-speech rows), refined with their offset
+        tail = packed_linear.packed_linear(hidden, packed, None).float()[30:]
+        ExactLogits(hidden, weight).refine_near_top(tail, first_row=30)
+        assert torch.equal(tail, batched[30:])

@@ -207,8 +207,9 @@ class ModelRunner:
         logits = decoder.compute_logits(logits_hidden)
         exact = None
         if decoder.logits_rounded:
-            exact = decoder.exact_logits(logits_hidden)
-            exact.refine_near_top(logits)  # what the no-speech probability and Whisper's rules read
+            exact = decoder.exact_logits(logits_hidden)  # the sampler refines the sampled rows
+            if inputs.no_speech_rows:
+                exact.refine_near_top(logits[len(requests):], first_row=len(requests))
         no_speech_probs = self._no_speech_probs(logits[len(requests):], inputs.no_speech_rows, len(requests))
         return logits[: len(requests)], no_speech_probs, self._alignment_scores(inputs, len(requests)), exact
 

@@ -213,6 +213,10 @@ class Sampler:
             logits[no_eos, self.timestamp_rules.eot] = float("-inf")
         self.suppress_blank.apply(logits, self._rows(first_rows))
         self.only_languages.apply(logits, self._rows(language_rows))
+        if exact is not None:
+            # Rounded logits (rounded_logits.py): what the timestamp rule and the choice read is
+            # made exact near each row's top, and again where the timestamp rule took the top.
+            top = exact.refine_near_top(logits)
         timestamp_rows = [i for i, r in enumerate(requests) if r.sampling_params.timestamps and not r.needs_language]
         self.timestamp_rules.apply(
             logits, timestamp_rows, [requests[i].output_token_ids for i in timestamp_rows],
@@ -221,9 +225,7 @@ class Sampler:
         )
 
         if exact is not None:
-            # The rules may have masked the row's top: the tokens now near the top are exact
-            # too, so the choice and its log-probability are the float32 logits' (rounded_logits.py).
-            exact.refine_near_top(logits)
+            exact.refine_where_the_top_fell(logits, top)
         # A chosen token's log-probability is its logit less the row's log-normaliser: one
         # reduction, where log_softmax would also write out a [rows, vocab] tensor.
         log_normalizers = batch_invariant_logsumexp(logits)
