@@ -19,7 +19,9 @@ order. What that gives:
 - every token within NEAR_TOP_NATS of the top, and so the chosen token's log-probability up to
   the far tail's share of the normaliser, has its float32 value; a token further down keeps
   a rounding error of at most 2^-8 of its size, weighted by a probability below e^-1 of the
-  top's.
+  top's. So Whisper's timestamp rule (the timestamps' total probability against the likeliest
+  text token) compares float32's values near the top and rounded ones further down: where
+  the two sides are within rounding of each other it may decide otherwise than float32 did.
 The refinement runs on the rows that give a no-speech probability (raw logits), in the
 sampler once the fixed rules have masked their tokens (suppressed tokens and blanks, language
 rows: before Whisper's timestamp rule reads the text maximum), and after the timestamp rules
