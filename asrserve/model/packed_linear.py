@@ -145,22 +145,21 @@ def kernel_rows_independent(out_features: int, in_features: int, has_bias: bool,
     return packed is not None and rows_independent_of_batch(weight, packed, bias, largest_rows)
 
 
-def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], largest_rows: int,
-                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-    """Every (weight, bias) packed (in `dtype`, default their own), or None when one cannot be
-    or its rows depend on the batch. Each shape's kernel is checked before anything is copied:
-    the check makes a random weight of the shape, and a large model's output projection should
-    not be held three times at once."""
+def _packed_weights(weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                    largest_rows: int) -> dict[str, torch.Tensor] | None:
+    """Every (weight, bias) packed in its own dtype, or None when one cannot be or its rows
+    depend on the batch. Each shape's kernel is checked before anything is copied: the check
+    makes a random weight of the shape, and a large model's output projection should not be
+    held three times at once."""
     packed: dict[str, torch.Tensor] = {}
     for name, (weight, bias) in weights.items():
         out_features, in_features = weight.shape
-        packed_dtype = dtype or weight.dtype
-        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows, packed_dtype):
+        if not kernel_rows_independent(out_features, in_features, bias is not None, largest_rows, weight.dtype):
             logger.warning("oneDNN's packed %dx%d %s product fails the start-up check on this CPU (rows "
                            "depend on the batch, or it differs from F.linear); keeping MKL and padding",
-                           out_features, in_features, packed_dtype)
+                           out_features, in_features, weight.dtype)
             return None
-        packed_weight = pack_weight(weight.to(packed_dtype))
+        packed_weight = pack_weight(weight)
         if packed_weight is None:
             return None
         packed[name] = packed_weight

@@ -67,10 +67,7 @@ class ExactLogits:
         """Overwrites, in place, every entry of logits [rows, vocab] (float32 holding rounded
         values, -inf where a rule masked a token; rows first_row... of the hidden states) near
         its row's top with its exact value. Returns each row's top [rows, 1] after it."""
-        top = logits.amax(-1, keepdim=True)
-        rows, tokens = _entries_at_least(logits, top - NEAR_TOP_NATS - _rounding_margin(top))
-        if rows.numel():
-            logits.index_put_((rows, tokens), self(rows + first_row, tokens))
+        self._refine(logits, torch.arange(first_row, first_row + len(logits)))
         return logits.amax(-1, keepdim=True)
 
     def refine_where_the_top_fell(self, logits: torch.Tensor, top: torch.Tensor) -> None:
@@ -80,14 +77,15 @@ class ExactLogits:
         fell = (logits.amax(-1, keepdim=True) < top).squeeze(1).nonzero().squeeze(1)
         if fell.numel():
             refined = logits[fell]
-            self._refine_rows(refined, fell)
+            self._refine(refined, fell)
             logits[fell] = refined
 
-    def _refine_rows(self, logits: torch.Tensor, rows_of_hidden: torch.Tensor) -> None:
+    def _refine(self, logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+        """The refinement of logits [rows, vocab], whose row i is hidden row hidden_rows[i]."""
         top = logits.amax(-1, keepdim=True)
         rows, tokens = _entries_at_least(logits, top - NEAR_TOP_NATS - _rounding_margin(top))
         if rows.numel():
-            logits.index_put_((rows, tokens), self(rows_of_hidden[rows], tokens))
+            logits.index_put_((rows, tokens), self(hidden_rows[rows], tokens))
 
 
 def _entries_at_least(values: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
