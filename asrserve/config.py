@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -117,6 +117,11 @@ class SchedulerConfig:
     max_num_seqs: int | None = None
     # Audios one encoder forward takes: the per-step encoder budget.
     max_encoder_batch: int = 8
+    # The budget while a live session's decode waits or runs. None: 1 on CPU, whose encoder
+    # runs one audio after another (a step of 8 audios made a turn's final decode wait ~1 s
+    # behind other audios' forwards; one a step lets it in after at most one), and
+    # max_encoder_batch elsewhere (EngineCore resolves it).
+    interactive_encoder_batch: int | None = None
     # Encoder outputs held at once (the encoder cache); defaults to the encoder budget.
     encoder_cache_size: int | None = None
     # While live sessions' decodes run, file requests are admitted at most one per this many
@@ -128,6 +133,8 @@ class SchedulerConfig:
             raise ValueError("batch_admit_interval_s must be >= 0")
         if (self.max_num_seqs is not None and self.max_num_seqs < 1) or self.max_encoder_batch < 1:
             raise ValueError("max_num_seqs and max_encoder_batch must be at least 1")
+        if self.interactive_encoder_batch is not None and self.interactive_encoder_batch < 1:
+            raise ValueError("interactive_encoder_batch must be at least 1")
         if self.encoder_cache_size is None:
             self.encoder_cache_size = self.max_encoder_batch
         if self.encoder_cache_size < 1:
@@ -136,6 +143,16 @@ class SchedulerConfig:
 
 def default_max_num_seqs(device: "torch.device") -> int:
     return 256 if device.type == "cuda" else 64
+
+
+def resolve_scheduler(config: SchedulerConfig, device: "torch.device") -> SchedulerConfig:
+    """The device's defaults for what was left None."""
+    if config.max_num_seqs is None:
+        config = replace(config, max_num_seqs=default_max_num_seqs(device))
+    if config.interactive_encoder_batch is None:
+        budget = 1 if device.type == "cpu" else config.max_encoder_batch
+        config = replace(config, interactive_encoder_batch=min(budget, config.max_encoder_batch))
+    return config
 
 
 @dataclass

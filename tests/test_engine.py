@@ -431,8 +431,8 @@ def test_a_decoder_prefix_is_continued_and_live_decodes_go_first(tiny_en_engine,
         engine.add_request(f"file{i}", speech_audio[i % len(speech_audio)])
     engine.add_request("live", audio, interactive=True)
     first = engine.scheduler.schedule()
-    admitted = [r.request_id for r in first.encoder_requests]
-    assert admitted[0] == "live" and len(admitted) == 2  # with one file request; the rest wait their turn
+    # alone: on CPU a step encodes one audio while live work waits or runs (interactive_encoder_batch)
+    assert [r.request_id for r in first.encoder_requests] == ["live"]
     engine.runner.execute(first)  # (outputs unused: this step is thrown away by aborting)
     for request_id in ["live", *(f"file{i}" for i in range(batch))]:
         engine.abort(request_id)
@@ -440,15 +440,73 @@ def test_a_decoder_prefix_is_continued_and_live_decodes_go_first(tiny_en_engine,
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_a_final_decode_goes_ahead_of_interims_one_audio_a_step_while_live_work_waits(tiny_en_engine, speech_audio):
+    """An urgent request (a turn's final decode) is admitted ahead of interactive requests
+    queued before it, and while one decodes nothing else is admitted (each admission would
+    put an encoder forward into its steps); then interims, then file work gets its share.
+    While a live session's decode waits or runs, and for LIVE_PAUSE_S after (a pause between
+    turns), a CPU step's encoder batch holds one audio (its encoder runs one audio after
+    another: a final decode arriving behind a batch of other audios waited for all their
+    forwards). After the pause, file requests fill the encoder batch again."""
+    from asrserve.engine.scheduler import LIVE_PAUSE_S
+
+    engine = tiny_en_engine
+    config = engine.scheduler.config
+    assert config.interactive_encoder_batch == 1 < config.max_encoder_batch
+    admissions = []
+    schedule, clock = engine.scheduler.schedule, engine.scheduler.waiting.clock
+
+    def recording_schedule():
+        running = engine.scheduler.running
+        live = any(r.interactive for r in running) or engine.scheduler.waiting.has_interactive
+        if any(r.urgent for r in running):
+            live = "final decoding"
+        output = schedule()
+        admissions.append(([r.request_id for r in output.encoder_requests], live))
+        return output
+
+    now = [clock() + 3600]  # past any earlier admission's interval; then frozen: one file's share
+    engine.scheduler.schedule = recording_schedule
+    engine.scheduler.waiting.clock = lambda: now[0]
+    try:
+        for i in range(3):
+            engine.add_request(f"file{i}", speech_audio[i])
+        engine.add_request("interim0", speech_audio[3], interactive=True)
+        engine.add_request("interim1", speech_audio[4], interactive=True)
+        engine.add_request("final0", speech_audio[0], urgent=True)
+        engine.add_request("final1", speech_audio[1], urgent=True)
+        outputs = run_to_completion(engine)
+        admitted = [(ids, live) for ids, live in admissions if ids]
+        assert admitted == [(["final0"], True), (["final1"], "final decoding"), (["interim0"], True),
+                            (["interim1"], True), (["file0"], True), (["file1"], False), (["file2"], False)]
+        assert any(live == "final decoding" and not ids for ids, live in admissions)  # the others waited
+        # (the last two files go in during the pause after the live decodes, one a step)
+        assert len(outputs) == 7 and all(tokens for tokens in outputs.values())
+        now[0] += LIVE_PAUSE_S  # the pause is over
+        for i in range(3):
+            engine.add_request(f"after{i}", speech_audio[i])
+        run_to_completion(engine)
+        assert [ids for ids, _ in admissions if ids][-1] == ["after0", "after1", "after2"]  # one step
+    finally:
+        engine.scheduler.schedule, engine.scheduler.waiting.clock = schedule, clock
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_max_num_seqs_defaults_to_64_on_cpu(tiny_en_engine):
     """Unset, max_num_seqs is resolved by device (256 on CUDA: tests/test_gpu.py)."""
     import torch
 
-    from asrserve.config import SchedulerConfig, default_max_num_seqs
+    from asrserve.config import SchedulerConfig, default_max_num_seqs, resolve_scheduler
 
     assert SchedulerConfig().max_num_seqs is None
     assert tiny_en_engine.config.scheduler.max_num_seqs == 64 == tiny_en_engine.scheduler.config.max_num_seqs
     assert default_max_num_seqs(torch.device("cuda")) == 256
+    # the encoder budget while live work waits: one audio on CPU, the whole budget on CUDA
+    assert SchedulerConfig().interactive_encoder_batch is None
+    assert tiny_en_engine.scheduler.config.interactive_encoder_batch == 1
+    cuda = resolve_scheduler(SchedulerConfig(max_encoder_batch=16), torch.device("cuda"))
+    assert (cuda.max_num_seqs, cuda.interactive_encoder_batch) == (256, 16)
+    assert resolve_scheduler(SchedulerConfig(interactive_encoder_batch=2), torch.device("cpu")).interactive_encoder_batch == 2
 
 
 def test_writing_cross_kv_zeros_the_slots_rounding_positions():

@@ -175,8 +175,9 @@ def test_a_word_chosen_with_low_confidence_is_not_stable_however_often_it_is_agr
     assert words.stable_length(previous, current, 3, "en", logprobs=[-5.0] * 7, min_logprob=-1.0) == 3
 
 
-def _request(name: str, interactive: bool) -> Request:
-    return Request(name, np.zeros(16_000, np.float32), [1], SamplingParams(), 10, interactive=interactive)
+def _request(name: str, interactive: bool, urgent: bool = False) -> Request:
+    return Request(name, np.zeros(16_000, np.float32), [1], SamplingParams(), 10, interactive=interactive,
+                   urgent=urgent)
 
 
 def test_waiting_queue_serves_live_decodes_first_and_gives_file_work_its_share():
@@ -207,6 +208,33 @@ def test_waiting_queue_serves_live_decodes_first_and_gives_file_work_its_share()
     queue.appendleft(files[2])
     queue.append(live[0])
     assert [r.request_id for r in queue] == ["live0", "file2", "file3"]
+
+
+def test_a_final_decode_waits_behind_other_finals_only():
+    """An urgent request (a live turn's final decode) goes ahead of the interims queued before
+    it, behind the finals queued before it, and while one decodes only finals are admitted; a
+    preempted interim resumes first among interims, behind the finals, and a preempted final
+    first of all."""
+    queue = WaitingQueue(batch_admit_interval_s=0.5)
+    interims = [_request(f"interim{i}", True) for i in range(3)]
+    finals = [_request(f"final{i}", True, urgent=True) for i in range(2)]
+    file = _request("file", False)
+    for request in (file, interims[0], interims[1], finals[0], interims[2], finals[1]):
+        queue.append(request)
+    assert finals[1].interactive  # urgent implies interactive
+    assert [r.request_id for r in queue] == ["final0", "final1", "interim0", "interim1", "interim2", "file"]
+    queue.pop(queue.next_admissible(interactive_running=False))
+    assert queue.next_admissible(interactive_running=False) is finals[1]
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is finals[1]
+    queue.pop(finals[1])
+    # while a final decodes, neither an interim nor file work goes in; after, the interim first
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is None
+    assert queue.next_admissible(interactive_running=True) is interims[0]
+    queue.appendleft(finals[1])
+    queue.appendleft(_request("preempted_interim", True))
+    queue.appendleft(_request("preempted_final", True, urgent=True))
+    assert [r.request_id for r in queue] == [
+        "preempted_final", "final1", "preempted_interim", "interim0", "interim1", "interim2", "file"]
 
 
 class _SlowEngine:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from asrserve.config import EngineConfig, default_max_num_seqs, resolve_device, resolve_dtype
+from asrserve.config import EngineConfig, resolve_device, resolve_dtype, resolve_scheduler
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import DecodeSummary, Request, SamplingParams
@@ -23,9 +23,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
         self.device = resolve_device(config.model.device)
-        if config.scheduler.max_num_seqs is None:
-            scheduler = replace(config.scheduler, max_num_seqs=default_max_num_seqs(self.device))
-            config = replace(config, scheduler=scheduler)
+        config = replace(config, scheduler=resolve_scheduler(config.scheduler, self.device))
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         loaded = load_model(config.model, self.device, self.dtype)
@@ -61,6 +59,7 @@ class EngineCore:
         prompt: str | None = None,
         prefix: list[int] | None = None,
         interactive: bool = False,
+        urgent: bool = False,
     ) -> None:
         """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
         prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
@@ -68,6 +67,8 @@ class EngineCore:
         openai/whisper's `prefix`); the outputs continue it. Live transcription fixes the text
         it has already sent this way.
         interactive: latency-sensitive (a live session's decode), served ahead of file work.
+        urgent: interactive, and ahead of the other interactive requests (a live turn's final
+        decode, which someone waits for now).
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
         if request_id in self.scheduler.requests or request_id in self.finished_without_model:
@@ -94,6 +95,7 @@ class EngineCore:
         request = Request(
             request_id, audio, tokens, sampling_params, max_tokens, task=task, detect_language=detect_language,
             sot_index=tokens.index(self.tokenizer.special.sot), prefix_token_ids=prefix, interactive=interactive,
+            urgent=urgent,
         )
         request.language = known_language
         self.scheduler.add(request)

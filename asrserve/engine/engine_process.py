@@ -42,6 +42,7 @@ class EngineRequest:
     prompt: str | None = None
     prefix: list[int] | None = None  # text tokens the transcript begins with (EngineCore.add_request)
     interactive: bool = False  # a live session's decode: served ahead of file work
+    urgent: bool = False  # a live turn's final decode: ahead of other interactive work
 
 
 @dataclass
@@ -192,7 +193,7 @@ class EngineLoop:
                 try:
                     self.core.add_request(
                         request.request_id, request.audio, request.language, request.task, request.sampling_params,
-                        request.prompt, request.prefix, request.interactive,
+                        request.prompt, request.prefix, request.interactive, request.urgent,
                     )
                 except InvalidRequestError as error:
                     outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))

@@ -156,6 +156,7 @@ class Request:
         sot_index: int = 0,
         prefix_token_ids: list[int] | None = None,
         interactive: bool = False,
+        urgent: bool = False,
     ):
         self.request_id = request_id
         self.audio = audio  # 16 kHz mono float32, at most 30 s
@@ -183,7 +184,9 @@ class Request:
         # which a language detection inserts first). Outputs continue it.
         self.prefix_token_ids = list(prefix_token_ids or [])
         # A live session's decode: admitted ahead of file work (Scheduler).
-        self.interactive = interactive
+        self.interactive = interactive or urgent
+        # A live turn's final decode (someone waits for it now): ahead of other interactive work.
+        self.urgent = urgent
         self.no_speech_prob: float | None = None
         # The sample this sequence decodes (see DecodeGroup) and at which temperature. The
         # request's group lives on the request the user sent; its siblings point to it.
@@ -214,7 +217,7 @@ class Request:
         manager)."""
         sibling = Request(
             request_id, self.audio, self.prompt_token_ids, self.sampling_params, self.max_tokens, task=self.task,
-            sot_index=self.sot_index, interactive=self.interactive,
+            sot_index=self.sot_index, interactive=self.interactive, urgent=self.urgent,
         )
         sibling.primary = self
         sibling.order = self.order

@@ -1,15 +1,18 @@
 """The requests waiting for admission, in two classes: interactive (a live session's decodes,
-where someone waits for the text) before batch (file uploads). FCFS within each class.
+where someone waits for the text) before batch (file uploads). FCFS within each class, except
+that an urgent interactive request (a live turn's final decode, whose text ends the turn) goes
+ahead of the other interactive ones (interims, which only bring text forward).
 
 Latency first, without starving either class:
 - An interactive request is always next in line, ahead of every queued file request.
+- While an urgent request decodes (a few hundred ms), only urgent requests are admitted.
 - While interactive requests run, file requests are admitted one at a time, at most one per
   `batch_admit_interval_s`. Each admission puts a 30 s window through the encoder in the same
   step as the live decodes (on a small CPU that one forward costs as much as a dozen decode
   steps), so this bounds what file work adds to a live decode's latency, and guarantees file
-  work a steady share (one window per interval) however busy the live sessions keep the engine.
+  work a steady share (one window per interval) whenever no final decode runs.
 - With no interactive request running, file requests are admitted as before, as many as fit.
-A preempted request goes back to the front of its own class.
+A preempted request goes back to the front of its own class (an interim: behind the finals).
 """
 
 from __future__ import annotations
@@ -32,15 +35,29 @@ class WaitingQueue:
     def _queue(self, request: Request) -> deque[Request]:
         return self.interactive if request.interactive else self.batch
 
+    def _after_urgent(self) -> int:
+        return next((i for i, r in enumerate(self.interactive) if not r.urgent), len(self.interactive))
+
     def append(self, request: Request) -> None:
+        if request.urgent:
+            self.interactive.insert(self._after_urgent(), request)  # behind the finals, ahead of interims
+            return
         self._queue(request).append(request)
 
     def appendleft(self, request: Request) -> None:
-        """Back to the front of its class (a preempted request resumes first)."""
+        """Back to the front of its class (a preempted request resumes first; an interim
+        behind the waiting finals)."""
+        if request.interactive and not request.urgent:
+            self.interactive.insert(self._after_urgent(), request)
+            return
         self._queue(request).appendleft(request)
 
     def remove(self, request: Request) -> None:
         self._queue(request).remove(request)
+
+    @property
+    def has_interactive(self) -> bool:
+        return bool(self.interactive)
 
     def __len__(self) -> int:
         return len(self.interactive) + len(self.batch)
@@ -50,11 +67,14 @@ class WaitingQueue:
         yield from self.interactive
         yield from self.batch
 
-    def next_admissible(self, interactive_running: bool) -> Request | None:
-        """The request to admit next, or None if none may be admitted in this step now."""
-        if self.interactive:
+    def next_admissible(self, interactive_running: bool, urgent_running: bool = False) -> Request | None:
+        """The request to admit next, or None if none may be admitted in this step now.
+        While an urgent request decodes, only urgent ones are admitted: every admission puts an
+        encoder forward into the running decodes' next step (~140-200 ms on 2 CPU cores), and
+        the final decodes are what users wait for; the rest waits the few hundred ms they run."""
+        if self.interactive and (self.interactive[0].urgent or not urgent_running):
             return self.interactive[0]
-        if not self.batch:
+        if not self.batch or urgent_running:
             return None
         if interactive_running and self.clock() - self._last_batch_admission < self.batch_admit_interval_s:
             return None

@@ -97,11 +97,13 @@ class DecodeCollector:
 
 async def decode(
     engine: AsyncEngineClient, tokenizer: WhisperTokenizer, audio: np.ndarray, language: str | None,
-    prompt: str | None, prefix: list[int], params: SamplingParams,
+    prompt: str | None, prefix: list[int], params: SamplingParams, final: bool = False,
 ) -> LiveDecode:
-    """One engine request, served ahead of file work; cancelling this aborts it."""
+    """One engine request, served ahead of file work (a final decode also ahead of interims);
+    cancelling this aborts it."""
     request_id = f"rt-{_prefix}-{next(_ids)}"
-    request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True)
+    request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True,
+                            urgent=final)
     stream = engine.add([request])[0]
     collected = DecodeCollector(language)
     try:

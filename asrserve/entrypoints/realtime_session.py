@@ -218,7 +218,7 @@ class RealtimeSession:
         audio = self.audio.slice(segment.start, end)
         segment.final = self._spawn(live_decode.decode(
             self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
-            live_decode.final_params(bool(segment.stable)),
+            live_decode.final_params(bool(segment.stable)), final=True,
         ))
         self.options.finals.track(segment.final)
 
