@@ -210,6 +210,33 @@ def test_waiting_queue_serves_live_decodes_first_and_gives_file_work_its_share()
     assert [r.request_id for r in queue] == ["live0", "file2", "file3"]
 
 
+def test_finals_back_to_back_hold_other_work_back_at_most_a_second():
+    """While finals decode, an interim or a file request is held, but for at most
+    MAX_URGENT_HOLD_S each: finals that never stop (more live sessions than the machine holds)
+    starve neither class."""
+    from asrserve.engine.waiting_queue import MAX_URGENT_HOLD_S
+
+    now = [100.0]
+    queue = WaitingQueue(batch_admit_interval_s=0.5, clock=lambda: now[0])
+    interim, file = _request("interim", True), _request("file", False)
+    queue.append(file)
+    queue.append(interim)
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is None
+    now[0] += MAX_URGENT_HOLD_S / 2
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is None
+    now[0] += MAX_URGENT_HOLD_S / 2
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is interim
+    queue.pop(interim)
+    # the file request's own hold starts now
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is None
+    now[0] += MAX_URGENT_HOLD_S
+    assert queue.next_admissible(interactive_running=True, urgent_running=True) is file
+    # with no final decoding there is no hold
+    queue.pop(file)
+    queue.append(_request("interim2", True))
+    assert queue.next_admissible(interactive_running=True).request_id == "interim2"
+
+
 def test_a_final_decode_waits_behind_other_finals_only():
     """An urgent request (a live turn's final decode) goes ahead of the interims queued before
     it, behind the finals queued before it, and while one decodes only finals are admitted; a

@@ -5,12 +5,14 @@ ahead of the other interactive ones (interims, which only bring text forward).
 
 Latency first, without starving either class:
 - An interactive request is always next in line, ahead of every queued file request.
-- While an urgent request decodes (a few hundred ms), only urgent requests are admitted.
+- While an urgent request decodes (a few hundred ms), only urgent requests are admitted; the
+  others are held at most MAX_URGENT_HOLD_S, so finals back to back starve nothing.
 - While interactive requests run, file requests are admitted one at a time, at most one per
   `batch_admit_interval_s`. Each admission puts a 30 s window through the encoder in the same
   step as the live decodes (on a small CPU that one forward costs as much as a dozen decode
   steps), so this bounds what file work adds to a live decode's latency, and guarantees file
-  work a steady share (one window per interval) whenever no final decode runs.
+  work a steady share (one window per interval; while finals decode, up to MAX_URGENT_HOLD_S
+  later).
 - With no interactive request running, file requests are admitted as before, as many as fit.
 A preempted request goes back to the front of its own class (an interim: behind the finals).
 """
@@ -24,6 +26,10 @@ from collections.abc import Callable, Iterator
 from asrserve.engine.request import Request
 
 
+# The longest a request other than a final decode is held back while finals decode.
+MAX_URGENT_HOLD_S = 1.0
+
+
 class WaitingQueue:
     def __init__(self, batch_admit_interval_s: float, clock: Callable[[], float] = time.monotonic):
         self.batch_admit_interval_s = batch_admit_interval_s
@@ -31,6 +37,7 @@ class WaitingQueue:
         self.interactive: deque[Request] = deque()
         self.batch: deque[Request] = deque()
         self._last_batch_admission = -float("inf")
+        self._held_since: float | None = None  # since when urgent work holds the rest back
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.interactive if request.interactive else self.batch
@@ -69,12 +76,23 @@ class WaitingQueue:
 
     def next_admissible(self, interactive_running: bool, urgent_running: bool = False) -> Request | None:
         """The request to admit next, or None if none may be admitted in this step now.
-        While an urgent request decodes, only urgent ones are admitted: every admission puts an
-        encoder forward into the running decodes' next step (~140-200 ms on 2 CPU cores), and
-        the final decodes are what users wait for; the rest waits the few hundred ms they run."""
-        if self.interactive and (self.interactive[0].urgent or not urgent_running):
+        While an urgent request decodes, only urgent ones are admitted, for at most
+        MAX_URGENT_HOLD_S: every admission puts an encoder forward into the running decodes'
+        next step (~140-200 ms on 2 CPU cores), and the final decodes are what users wait for;
+        the rest waits the few hundred ms they run. With finals back to back (more live
+        sessions than the machine holds) the bound keeps interims and file work going."""
+        if self.interactive and self.interactive[0].urgent:
             return self.interactive[0]
-        if not self.batch or urgent_running:
+        if not urgent_running:
+            self._held_since = None
+        elif self.interactive or self.batch:
+            now = self.clock()
+            self._held_since = now if self._held_since is None else self._held_since
+            if now - self._held_since < MAX_URGENT_HOLD_S:
+                return None
+        if self.interactive:
+            return self.interactive[0]
+        if not self.batch:
             return None
         if interactive_running and self.clock() - self._last_batch_admission < self.batch_admit_interval_s:
             return None
@@ -82,6 +100,8 @@ class WaitingQueue:
 
     def pop(self, request: Request) -> None:
         """Takes the request next_admissible returned out of the queue."""
+        if not request.urgent:
+            self._held_since = None  # the next one held waits its own MAX_URGENT_HOLD_S
         if request.interactive:
             assert self.interactive[0] is request
             self.interactive.popleft()
