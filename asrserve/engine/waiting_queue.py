@@ -60,7 +60,10 @@ class WaitingQueue:
         self._queue(request).appendleft(request)
 
     def remove(self, request: Request) -> None:
-        self._queue(request).remove(request)
+        queue = self._queue(request)
+        if queue and queue[0] is request and not request.urgent:
+            self._held_since = None  # it was the one held: the next one waits its own hold
+        queue.remove(request)
 
     @property
     def has_interactive(self) -> bool:
