@@ -448,7 +448,7 @@ def test_a_final_decode_goes_ahead_of_interims_one_audio_a_step_while_live_work_
     turns), a CPU step's encoder batch holds one audio (its encoder runs one audio after
     another: a final decode arriving behind a batch of other audios waited for all their
     forwards). After the pause, file requests fill the encoder batch again."""
-    from asrserve.engine.scheduler import LIVE_PAUSE_S
+    from asrserve.engine.waiting_queue import LIVE_PAUSE_S
 
     engine = tiny_en_engine
     config = engine.scheduler.config

@@ -6,14 +6,12 @@ count against max_num_seqs and grow blocks like any other) that share the reques
 cross-attention and prompt blocks. A request whose own sample is done while siblings decode is
 parked: out of the batch, holding its shared blocks.
 
-FCFS within two classes: a live session's decodes (interactive; a turn's final decode first,
-and alone while it decodes) before file work, which keeps a steady share
-(engine.waiting_queue). While interactive work waits or runs, and for LIVE_PAUSE_S after, a
-step's encoder batch is interactive_encoder_batch (1 on CPU), so a final decode that arrives
-waits behind at most that many other audios' forwards. Running sequences come first, oldest
-first, each needing blocks for its next token; when the pool runs out, the newest file
-request's newest sibling is dropped (its sample starts again later), or one without siblings
-is preempted (blocks freed, back to the front of its class, recomputed on resumption). Then
+FCFS within two classes: a live session's decodes (interactive; a turn's final decode first)
+before file work, which keeps a steady share; engine.waiting_queue also sets the encoder
+batch (one audio on CPU while live decodes run). Running sequences come first, oldest first,
+each needing blocks for its next token; when the pool runs out, the newest file request's
+newest sibling is dropped (its sample starts again later), or one without siblings is
+preempted (blocks freed, back to the front of its class, recomputed on resumption). Then
 siblings start for requests with samples waiting, oldest first; then waiting requests are
 admitted in order while there is a sequence slot, room in this step's encoder batch and the
 encoder cache, and blocks for their cross-attention and prompt. A class's queue is never
@@ -43,14 +41,6 @@ if TYPE_CHECKING:
     from asrserve.worker.sampler import SamplerOutput
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerOutput"]
-
-# The encoder batch stays at interactive_encoder_batch this long after the last live decode
-# waited or ran: a live session pauses between turns (server VAD commits after 0.5 s of
-# silence, the next turn's speech comes a second or two later), and a file batch encoding
-# max_encoder_batch audios in that gap (~1.1 s for 8 on 2 CPU cores) is what the next turn's
-# final decode would find in its way. File admissions are not held back: one a step still
-# keeps the encoder busy.
-LIVE_PAUSE_S = 2.0
 
 
 @dataclass
@@ -89,7 +79,6 @@ class Scheduler:
         self.parked: list[Request] = []  # requests whose own sample is done, siblings decoding
         self.requests: dict[str, Request] = {}  # by the caller's id (siblings are not here)
         self.num_preemptions = 0
-        self._live_until = -math.inf  # the small encoder batch holds until then (LIVE_PAUSE_S)
         self._arrivals = itertools.count()
         self._sibling_numbers = itertools.count()
         max_request_blocks = block_manager.num_cross_blocks + math.ceil(max_model_len / block_manager.block_size)
@@ -149,14 +138,9 @@ class Scheduler:
                 output.scheduled.append(sibling)
         interactive_running = any(r.interactive for r in self.running)
         urgent_running = any(r.urgent for r in self.running)
-        now = self.waiting.clock()
-        if interactive_running or self.waiting.has_interactive:
-            self._live_until = now + LIVE_PAUSE_S
+        encoder_budget = self.waiting.encoder_budget(interactive_running, self.config)
         if not self.waiting:
             return output
-        encoder_budget = self.config.max_encoder_batch
-        if now < self._live_until:
-            encoder_budget = self.config.interactive_encoder_batch or encoder_budget
         while (
             (request := self.waiting.next_admissible(interactive_running, urgent_running)) is not None
             and len(self.running) < self.config.max_num_seqs

@@ -14,6 +14,9 @@ Latency first, without starving either class:
   work a steady share (one window per interval; while finals decode, up to MAX_URGENT_HOLD_S
   later).
 - With no interactive request running, file requests are admitted as before, as many as fit.
+- The encoder batch (encoder_budget): while live decodes wait or run, and for LIVE_PAUSE_S
+  after, interactive_encoder_batch audios a step (1 on CPU, whose encoder runs one audio after
+  another), so a final decode that arrives waits behind at most that many other forwards.
 A preempted request goes back to the front of its own class (an interim: behind the finals).
 """
 
@@ -23,11 +26,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from asrserve.config import SchedulerConfig
 from asrserve.engine.request import Request
 
 
 # The longest a request other than a final decode is held back while finals decode.
 MAX_URGENT_HOLD_S = 1.0
+# The encoder batch stays at interactive_encoder_batch this long after the last live decode
+# waited or ran: a live session pauses between turns (server VAD commits after 0.5 s of
+# silence, the next turn's speech comes a second or two later), and a file batch encoding
+# max_encoder_batch audios in that gap (~1.1 s for 8 on 2 CPU cores) is what the next turn's
+# final decode would find in its way. File admissions are not held back: one a step still
+# keeps the encoder busy.
+LIVE_PAUSE_S = 2.0
 
 
 class WaitingQueue:
@@ -38,6 +49,7 @@ class WaitingQueue:
         self.batch: deque[Request] = deque()
         self._last_batch_admission = -float("inf")
         self._held_since: float | None = None  # since when urgent work holds the rest back
+        self._live_until = -float("inf")  # the small encoder batch holds until then (LIVE_PAUSE_S)
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.interactive if request.interactive else self.batch
@@ -76,6 +88,16 @@ class WaitingQueue:
         """In admission order."""
         yield from self.interactive
         yield from self.batch
+
+    def encoder_budget(self, interactive_running: bool, config: SchedulerConfig) -> int:
+        """Audios this step's encoder may take: config.interactive_encoder_batch while live
+        decodes wait or run and for LIVE_PAUSE_S after, config.max_encoder_batch otherwise."""
+        now = self.clock()
+        if interactive_running or self.interactive:
+            self._live_until = now + LIVE_PAUSE_S
+        if now < self._live_until and config.interactive_encoder_batch is not None:
+            return config.interactive_encoder_batch
+        return config.max_encoder_batch
 
     def next_admissible(self, interactive_running: bool, urgent_running: bool = False) -> Request | None:
         """The request to admit next, or None if none may be admitted in this step now.
