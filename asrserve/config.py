@@ -150,8 +150,7 @@ def resolve_scheduler(config: SchedulerConfig, device: "torch.device") -> Schedu
     if config.max_num_seqs is None:
         config = replace(config, max_num_seqs=default_max_num_seqs(device))
     if config.interactive_encoder_batch is None:
-        budget = 1 if device.type == "cpu" else config.max_encoder_batch
-        config = replace(config, interactive_encoder_batch=min(budget, config.max_encoder_batch))
+        config = replace(config, interactive_encoder_batch=1 if device.type == "cpu" else config.max_encoder_batch)
     return config
 
 

@@ -458,7 +458,7 @@ def test_a_final_decode_goes_ahead_of_interims_one_audio_a_step_while_live_work_
 
     def recording_schedule():
         running = engine.scheduler.running
-        live = any(r.interactive for r in running) or engine.scheduler.waiting.has_interactive
+        live = any(r.interactive for r in running) or bool(engine.scheduler.waiting.interactive)
         if any(r.urgent for r in running):
             live = "final decoding"
         output = schedule()

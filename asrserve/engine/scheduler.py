@@ -137,10 +137,10 @@ class Scheduler:
                 sibling = self._start_sibling(request)
                 output.scheduled.append(sibling)
         interactive_running = any(r.interactive for r in self.running)
-        urgent_running = any(r.urgent for r in self.running)
         encoder_budget = self.waiting.encoder_budget(interactive_running, self.config)
         if not self.waiting:
             return output
+        urgent_running = any(r.urgent for r in self.running)  # (admissions only, not every step)
         while (
             (request := self.waiting.next_admissible(interactive_running, urgent_running)) is not None
             and len(self.running) < self.config.max_num_seqs

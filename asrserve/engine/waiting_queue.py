@@ -77,10 +77,6 @@ class WaitingQueue:
             self._held_since = None  # it was the one held: the next one waits its own hold
         queue.remove(request)
 
-    @property
-    def has_interactive(self) -> bool:
-        return bool(self.interactive)
-
     def __len__(self) -> int:
         return len(self.interactive) + len(self.batch)
 
