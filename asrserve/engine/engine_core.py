@@ -60,6 +60,7 @@ class EngineCore:
         prefix: list[int] | None = None,
         interactive: bool = False,
         urgent: bool = False,
+        draft: list[int] | None = None,
     ) -> None:
         """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
         prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
@@ -69,6 +70,9 @@ class EngineCore:
         interactive: latency-sensitive (a live session's decode), served ahead of file work.
         urgent: interactive, and ahead of the other interactive requests (a live turn's final
         decode, which someone waits for now).
+        draft: text tokens the outputs likely begin with (after the prefix), checked several in
+        one step by a greedy decode without timestamps (engine/draft.py); the outputs are what
+        they would be without it.
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
         if request_id in self.scheduler.requests or request_id in self.finished_without_model:
@@ -86,6 +90,8 @@ class EngineCore:
         prefix = list(prefix or [])
         if prefix:
             self.check_prefix(prefix)
+        if draft:
+            self.check_prefix(draft, "a draft")
         if not detect_language:
             tokens += prefix
         # Whisper's sample_len: half the decoder context, and never past its end.
@@ -95,15 +101,15 @@ class EngineCore:
         request = Request(
             request_id, audio, tokens, sampling_params, max_tokens, task=task, detect_language=detect_language,
             sot_index=tokens.index(self.tokenizer.special.sot), prefix_token_ids=prefix, interactive=interactive,
-            urgent=urgent,
+            urgent=urgent, draft_token_ids=draft,
         )
         request.language = known_language
         self.scheduler.add(request)
 
-    def check_prefix(self, prefix: list[int]) -> None:
+    def check_prefix(self, prefix: list[int], what: str = "a decoder prefix") -> None:
         eot = self.tokenizer.special.eot
         if any(not 0 <= token < eot for token in prefix) or len(prefix) > self.dims.n_text_ctx // 2:
-            raise InvalidRequestError("a decoder prefix must be at most half the context of text tokens")
+            raise InvalidRequestError(f"{what} must be at most half the context of text tokens")
 
     def check_language(self, language: str | None, task: str) -> str | None:
         return check_language(self.tokenizer, self.model_name, language, task)

@@ -43,6 +43,7 @@ class EngineRequest:
     prefix: list[int] | None = None  # text tokens the transcript begins with (EngineCore.add_request)
     interactive: bool = False  # a live session's decode: served ahead of file work
     urgent: bool = False  # a live turn's final decode: ahead of other interactive work
+    draft: list[int] | None = None  # text tokens the outputs likely begin with (engine/draft.py)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class EngineStats:
     kv_blocks_total: int
     encoder_cache_entries: int  # encoder outputs the runner still holds
     num_preemptions: int  # since start
+    draft_tokens_checked: int = 0  # since start (engine/draft.py)
+    draft_tokens_accepted: int = 0
     # Encoder forwards since the last message: audios per forward -> number of forwards.
     encoder_batch_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -193,7 +196,7 @@ class EngineLoop:
                 try:
                     self.core.add_request(
                         request.request_id, request.audio, request.language, request.task, request.sampling_params,
-                        request.prompt, request.prefix, request.interactive, request.urgent,
+                        request.prompt, request.prefix, request.interactive, request.urgent, request.draft,
                     )
                 except InvalidRequestError as error:
                     outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))
@@ -217,5 +220,7 @@ class EngineLoop:
             kv_blocks_total=core.block_manager.num_blocks,
             encoder_cache_entries=len(core.runner.encoder_outputs),
             num_preemptions=core.scheduler.num_preemptions,
+            draft_tokens_checked=core.scheduler.drafts.checked,
+            draft_tokens_accepted=core.scheduler.drafts.accepted,
             encoder_batch_sizes=dict(new_batches),
         )

@@ -157,6 +157,7 @@ class Request:
         prefix_token_ids: list[int] | None = None,
         interactive: bool = False,
         urgent: bool = False,
+        draft_token_ids: list[int] | None = None,
     ):
         self.request_id = request_id
         self.audio = audio  # 16 kHz mono float32, at most 30 s
@@ -183,6 +184,8 @@ class Request:
         # Text the transcript must begin with: the end of the prompt (after the task tokens,
         # which a language detection inserts first). Outputs continue it.
         self.prefix_token_ids = list(prefix_token_ids or [])
+        self.draft_token_ids = list(draft_token_ids or [])  # a guess at the next outputs (draft.py)
+        self.num_draft_tokens = 0  # of them, appended to the outputs for the step being run
         # A live session's decode: admitted ahead of file work (Scheduler).
         self.interactive = interactive or urgent
         # A live turn's final decode (someone waits for it now): ahead of other interactive work.

@@ -24,15 +24,16 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.decode_group import DecodeGroup
+from asrserve.engine.draft import DraftCounts, attach, can_check, detach
 from asrserve.engine.fallback import is_looping, is_silence, summarize
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
+from asrserve.engine.scheduler_output import SchedulerOutput
 from asrserve.engine.waiting_queue import WaitingQueue
 from asrserve.engine.word_timing import text_token_times
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -41,23 +42,6 @@ if TYPE_CHECKING:
     from asrserve.worker.sampler import SamplerOutput
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerOutput"]
-
-
-@dataclass
-class SchedulerOutput:
-    # Every request in this step's decoder forward, in batch order.
-    scheduled: list[Request] = field(default_factory=list)
-    # Requests admitted this step: their audio goes through one encoder forward and their
-    # cross-attention K/V is written before the decoder runs.
-    encoder_requests: list[Request] = field(default_factory=list)
-    # Encoder outputs the runner may now drop (freed by the scheduler one step earlier).
-    freed_encoder_ids: list[str] = field(default_factory=list)
-    # Sequences preempted or siblings dropped for blocks this step.
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.freed_encoder_ids
 
 
 class Scheduler:
@@ -79,6 +63,7 @@ class Scheduler:
         self.parked: list[Request] = []  # requests whose own sample is done, siblings decoding
         self.requests: dict[str, Request] = {}  # by the caller's id (siblings are not here)
         self.num_preemptions = 0
+        self.drafts = DraftCounts()
         self._arrivals = itertools.count()
         self._sibling_numbers = itertools.count()
         max_request_blocks = block_manager.num_cross_blocks + math.ceil(max_model_len / block_manager.block_size)
@@ -128,6 +113,9 @@ class Scheduler:
         if output.preempted:
             output.scheduled = [r for r in output.scheduled if r.status is RequestStatus.RUNNING]
             return output
+        for request in output.scheduled:
+            if can_check(request):  # a live final's guess at its next tokens (draft.py)
+                attach(request, self.block_manager, self.max_model_len)
         # Usually none: only requests in fallback or best_of have samples waiting.
         pending = [
             r for r in (*self.running, *self.parked) if not r.is_sibling and r.group.next_unassigned() is not None
@@ -169,6 +157,7 @@ class Scheduler:
         for index, (request, token_id, logprob) in enumerate(
             zip(scheduler_output.scheduled, sampled.token_ids, sampled.logprobs)
         ):
+            proposal = detach(request)
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted, or dropped as a sibling, while the step ran
             request.num_computed_tokens = request.num_tokens
@@ -184,20 +173,32 @@ class Scheduler:
                 request.prompt_token_ids.extend(request.prefix_token_ids)
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
                 continue
-            request.output_token_ids.append(token_id)
-            request.output_logprobs.append(logprob)
-            if request.sampling_params.word_timestamps:
-                request.alignment_scores.append(sampled.alignment_scores[index])
-            if token_id == self.tokenizer.special.eot:
-                outputs.extend(self._complete(request, "stop"))
-            elif len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
-                outputs.extend(self._complete(request, "length"))
-            elif is_looping(request, self.tokenizer):
-                outputs.extend(self._complete(request, "stop"))
-            elif request.streams_tokens or request.sends_first_token:
-                outputs.append(RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language))
-                request.text_started |= token_id < self.tokenizer.special.eot
+            alignment = sampled.alignment_scores[index] if request.sampling_params.word_timestamps else None
+            kept = self.drafts.settle(request, proposal, sampled, index, token_id)
+            for token, token_logprob in [*kept, (token_id, logprob)]:
+                request.num_computed_tokens = request.num_tokens  # a kept draft token's K/V is computed
+                finished, token_outputs = self._append(request, token, token_logprob, alignment)
+                outputs.extend(token_outputs)
+                if finished:
+                    break
         return outputs
+
+    def _append(self, request: Request, token_id: int, logprob: float, alignment) -> tuple[bool, list[RequestOutput]]:
+        """One new output token: whether it ended the sample, and what to send."""
+        request.output_token_ids.append(token_id)
+        request.output_logprobs.append(logprob)
+        if request.sampling_params.word_timestamps:
+            request.alignment_scores.append(alignment)
+        if token_id == self.tokenizer.special.eot:
+            return True, self._complete(request, "stop")
+        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return True, self._complete(request, "length")
+        if is_looping(request, self.tokenizer):
+            return True, self._complete(request, "stop")
+        if request.streams_tokens or request.sends_first_token:
+            request.text_started |= token_id < self.tokenizer.special.eot
+            return False, [RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)]
+        return False, []
 
     def _complete(self, sequence: Request, reason: str) -> list[RequestOutput]:
         """A sample finished: record it, and finish the request if that decides it, or give

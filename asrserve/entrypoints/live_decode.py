@@ -98,12 +98,14 @@ class DecodeCollector:
 async def decode(
     engine: AsyncEngineClient, tokenizer: WhisperTokenizer, audio: np.ndarray, language: str | None,
     prompt: str | None, prefix: list[int], params: SamplingParams, final: bool = False,
+    draft: list[int] | None = None,
 ) -> LiveDecode:
     """One engine request, served ahead of file work (a final decode also ahead of interims);
-    cancelling this aborts it."""
+    cancelling this aborts it. draft: the tokens the latest interim decode read after
+    `prefix`, which the engine checks several at a time (engine/draft.py)."""
     request_id = f"rt-{_prefix}-{next(_ids)}"
     request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True,
-                            urgent=final)
+                            urgent=final, draft=draft)
     stream = engine.add([request])[0]
     collected = DecodeCollector(language)
     try:
@@ -113,6 +115,15 @@ async def decode(
         engine.abort([request_id])
         raise
     return collected.result(tokenizer)
+
+
+def draft_after(previous: list[int] | None, sent: list[int]) -> list[int] | None:
+    """What the latest interim decode (`previous`, its tokens) read after the tokens sent:
+    most of the final decode's tokens, which the engine then checks a few steps at a time
+    rather than decoding them one a step. None when it does not continue what was sent."""
+    if not previous or previous[: len(sent)] != sent:
+        return None
+    return previous[len(sent):] or None
 
 
 def logprob_entry(tokenizer: WhisperTokenizer, token: int, logprob: float) -> dict:

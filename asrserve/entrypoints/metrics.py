@@ -62,6 +62,13 @@ class ServerMetrics:
         self.preemptions = Gauge(
             "asrserve_preemptions", "Requests preempted for lack of KV blocks since start", registry=registry
         )
+        self.draft_tokens_checked = Gauge(
+            "asrserve_draft_tokens_checked", "Draft tokens (a live final's guess from its last interim decode) "
+            "checked by the decoder since start", registry=registry,
+        )
+        self.draft_tokens_accepted = Gauge(
+            "asrserve_draft_tokens_accepted", "Draft tokens kept (the decode chose them) since start", registry=registry
+        )
         self.realtime_sessions = Gauge(
             "asrserve_realtime_sessions", "Live transcription sessions connected to /v1/realtime", registry=registry
         )
@@ -81,6 +88,8 @@ class ServerMetrics:
         self.kv_cache_blocks_total.set(stats.kv_blocks_total)
         self.encoder_cache_entries.set(stats.encoder_cache_entries)
         self.preemptions.set(stats.num_preemptions)
+        self.draft_tokens_checked.set(stats.draft_tokens_checked)
+        self.draft_tokens_accepted.set(stats.draft_tokens_accepted)
         for size, count in stats.encoder_batch_sizes.items():
             for _ in range(count):
                 self.encoder_batch_size.observe(size)

@@ -219,6 +219,7 @@ class RealtimeSession:
         segment.final = self._spawn(live_decode.decode(
             self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
             live_decode.final_params(bool(segment.stable)), final=True,
+            draft=live_decode.draft_after(segment.previous, segment.stable),
         ))
         self.options.finals.track(segment.final)
 

@@ -25,9 +25,11 @@ class DecoderInputs:
     input_ids: torch.Tensor  # [padded tokens]
     positions: torch.Tensor  # [padded tokens]
     metadata: AttentionMetadata
-    # [padded rows] the row of each request's last token, then the rows of no_speech_rows: all
-    # the step's logits in one product
+    # [padded rows] the row of each request's last token (a request checking draft tokens:
+    # of its last token and each draft token, engine/draft.py), then the rows of
+    # no_speech_rows: all the step's logits in one product
     logits_indices: torch.Tensor
+    num_sample_rows: int  # of them, before the no-speech rows
     # (request index, flat row) of each <|startoftranscript|> whose no_speech_prob is due
     no_speech_rows: list[tuple[int, int]]
     aligned_requests: list[int]  # request indices in metadata.alignment's order
@@ -112,6 +114,11 @@ class DecoderInputBuilder:
             self._plan_cross_runs(metadata, query_lens)
         padded_tokens = self._padded_size(num_tokens)
         last_token_rows = np.cumsum(query_lens) - 1
+        sample_rows = last_token_rows
+        if any(r.num_draft_tokens for r in requests):
+            sample_rows = np.concatenate([
+                np.arange(last - r.num_draft_tokens, last + 1) for last, r in zip(last_token_rows, requests)
+            ])
         # Word timestamps: the alignment heads' scores where each aligned request samples (not
         # on a language-detection step, which samples no output token).
         aligned = [i for i, r in enumerate(requests) if r.sampling_params.word_timestamps and not r.needs_language]
@@ -125,7 +132,8 @@ class DecoderInputBuilder:
             input_ids=self._tensor(np.pad(np.asarray(token_ids), (0, padded_tokens - num_tokens))),
             positions=self._tensor(np.pad(flat_positions, (0, padded_tokens - num_tokens))),
             metadata=metadata,
-            logits_indices=self._logits_indices(last_token_rows, no_speech_rows),
+            logits_indices=self._logits_indices(sample_rows, no_speech_rows),
+            num_sample_rows=len(sample_rows),
             no_speech_rows=no_speech_rows,
             aligned_requests=aligned,
         )

@@ -13,12 +13,13 @@ import torch
 from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import EngineConfig
 from asrserve.engine.request import Request
-from asrserve.engine.scheduler import SchedulerOutput
+from asrserve.engine.scheduler_output import SchedulerOutput
 from asrserve.model import decode_attention
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pack_linears
 from asrserve.model.rounded_logits import ExactLogits
+from asrserve.worker import draft_rows
 from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
@@ -171,7 +172,9 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return SamplerOutput([], [])
         requests = scheduler_output.scheduled
-        graphed = [] if self.decode_graphs is None else [i for i, r in enumerate(requests) if is_graphable(r)]
+        checks_drafts = any(r.num_draft_tokens for r in requests)  # several rows a request: eager
+        graphed = [] if self.decode_graphs is None or checks_drafts else [
+            i for i, r in enumerate(requests) if is_graphable(r)]
         if not graphed or len(graphed) > self.decode_graphs.max_rows:  # the largest graph: max_num_seqs rows
             logits, no_speech_probs, alignment_scores, exact = self._eager_logits(requests)
         else:
@@ -191,27 +194,32 @@ class ModelRunner:
                 logits = merged
                 for index, no_speech, alignment in zip(eager, eager_no_speech, eager_alignment):
                     no_speech_probs[index], alignment_scores[index] = no_speech, alignment
-        sampled = self.sampler(logits, requests, exact)
+        if checks_drafts:
+            sampled = draft_rows.settle(requests, self.sampler(logits, draft_rows.sampler_rows(requests), exact))
+        else:
+            sampled = self.sampler(logits, requests, exact)
         sampled.no_speech_probs = no_speech_probs
         sampled.alignment_scores = alignment_scores
         return sampled
 
     def _eager_logits(self, requests: list[Request]) -> tuple[torch.Tensor, list, list, ExactLogits | None]:
         """The decoder launched op by op over every token the requests bring: their logits
-        [len(requests), vocab], no-speech probabilities and alignment scores, and where the
-        logits are rounded (16-bit on CPU) what recomputes them exactly for the sampler."""
+        [rows, vocab] (a row per request, or per position checked, draft_rows.py), no-speech
+        probabilities and alignment scores, and where the logits are rounded (16-bit on CPU)
+        what recomputes them exactly for the sampler."""
         inputs = self.decoder_inputs.build(requests)
         hidden = self.model.decoder(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         decoder = self.model.decoder
         logits_hidden = hidden[inputs.logits_indices]
         logits = decoder.compute_logits(logits_hidden)
+        num_rows = inputs.num_sample_rows
         exact = None
         if decoder.logits_rounded:
             exact = decoder.exact_logits(logits_hidden)  # the sampler refines the sampled rows
             if inputs.no_speech_rows:
-                exact.refine_near_top(logits[len(requests):], first_row=len(requests))
-        no_speech_probs = self._no_speech_probs(logits[len(requests):], inputs.no_speech_rows, len(requests))
-        return logits[: len(requests)], no_speech_probs, self._alignment_scores(inputs, len(requests)), exact
+                exact.refine_near_top(logits[num_rows:], first_row=num_rows)
+        no_speech_probs = self._no_speech_probs(logits[num_rows:], inputs.no_speech_rows, len(requests))
+        return logits[:num_rows], no_speech_probs, self._alignment_scores(inputs, len(requests)), exact
 
     def _no_speech_probs(self, logits: torch.Tensor, rows: list[tuple[int, int]], num_requests: int) -> list:
         """P(<|nospeech|>) from the unfiltered logits at <|startoftranscript|>, as Whisper reads

@@ -1,0 +1,138 @@
+"""Draft tokens (engine/draft.py): a greedy decode checks a guess at its next tokens several in
+one step, and outputs what it would have without the guess."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from asrserve.engine.draft import MAX_DRAFT_TOKENS, advance
+from asrserve.engine.request import SamplingParams
+from asrserve.entrypoints.live_decode import draft_after
+from asrserve.errors import InvalidRequestError
+
+
+def _decode(engine, request_id: str, audio, **kwargs) -> tuple[list[int], list[float], int, str]:
+    """Tokens, log-probabilities, engine steps and finish reason of one request run alone."""
+    params = kwargs.pop("sampling_params", None) or SamplingParams.transcription(0.0)
+    engine.add_request(request_id, audio, "en", sampling_params=params, **kwargs)
+    tokens, logprobs, steps, reason = [], [], 0, None
+    while engine.has_work():
+        steps += 1
+        for output in engine.step():
+            if output.restarted:
+                tokens, logprobs = [], []
+            tokens += output.new_token_ids
+            logprobs += output.new_logprobs
+            reason = output.finish_reason if output.finished else reason
+    return tokens, logprobs, steps, reason
+
+
+def _assert_idle(engine) -> None:
+    manager = engine.scheduler.block_manager
+    assert not engine.has_unfinished_requests()
+    assert manager.num_free_blocks == manager.num_blocks, "a draft's blocks leaked"
+
+
+def _drafts(text: list[int]) -> dict[str, list[int]]:
+    """Guesses a final decode may get: right, one token changed, one missing, one extra, a
+    blank first, wrong throughout, the first half."""
+    return {
+        "exact": text,
+        "changed": text[:3] + [text[3] + 1] + text[4:],
+        "missing": text[:4] + text[5:],
+        "extra": text[:4] + [1000] + text[4:],
+        "blank first": [220] + text,
+        "wrong": [1000 + i for i in range(20)],
+        "first half": text[: len(text) // 2],
+    }
+
+
+def test_a_draft_changes_no_output_and_a_right_one_saves_most_steps(tiny_en_engine, speech_audio):
+    engine = tiny_en_engine
+    for index in (4, 6, 15):  # sentences of 20-30 tokens
+        audio = speech_audio[index]
+        tokens, logprobs, steps, reason = _decode(engine, f"plain-{index}", audio)
+        assert reason == "stop" and len(tokens) > MAX_DRAFT_TOKENS
+        for name, draft in _drafts(tokens[:-1]).items():  # text tokens: <|endoftext|> is not one
+            drafted, drafted_logprobs, drafted_steps, drafted_reason = _decode(
+                engine, f"draft-{index}-{name}", audio, draft=draft)
+            assert drafted == tokens, name
+            assert drafted_reason == reason
+            # float32: the same sums, in the order of a step of several rows
+            assert drafted_logprobs == pytest.approx(logprobs, abs=1e-4), name
+            assert drafted_steps <= steps, name
+            if name == "exact":
+                assert drafted_steps <= 4 < steps / 4, (drafted_steps, steps)
+            _assert_idle(engine)
+
+
+def test_a_draft_stops_where_the_decode_would(tiny_en_engine, speech_audio):
+    engine = tiny_en_engine
+    audio = speech_audio[4]
+    limited = SamplingParams.transcription(0.0, max_tokens=5)
+    tokens, _, _, reason = _decode(engine, "limit-plain", audio, sampling_params=limited)
+    full, _, _, _ = _decode(engine, "limit-full", audio)
+    drafted, _, _, drafted_reason = _decode(engine, "limit-draft", audio, sampling_params=limited, draft=full[:-1])
+    assert drafted == tokens and len(tokens) == 5 and drafted_reason == reason == "length"
+    # A draft longer than the transcript: the decode ends at its <|endoftext|>.
+    drafted, _, _, drafted_reason = _decode(engine, "long-draft", audio, draft=full[:-1] + full[:10])
+    assert drafted == full and drafted_reason == "stop"
+    _assert_idle(engine)
+
+
+def test_only_a_greedy_decode_without_timestamps_checks_a_draft(tiny_en_engine, speech_audio):
+    engine = tiny_en_engine
+    audio = speech_audio[6]
+    timed = SamplingParams.transcription(0.0, timestamps=True)
+    tokens, _, steps, _ = _decode(engine, "ts-plain", audio, sampling_params=timed)
+    text = [t for t in tokens if t < engine.tokenizer.special.eot]
+    drafted, _, drafted_steps, _ = _decode(engine, "ts-draft", audio, sampling_params=timed, draft=text)
+    assert drafted == tokens and drafted_steps == steps  # checked one token a step, as before
+    sampled = SamplingParams(temperature=0.5, seed=3)
+    tokens, _, steps, _ = _decode(engine, "t-plain", audio, sampling_params=sampled)
+    drafted, _, drafted_steps, _ = _decode(engine, "t-draft", audio, sampling_params=sampled, draft=tokens[:-1])
+    assert drafted == tokens and drafted_steps == steps
+    _assert_idle(engine)
+
+
+def test_an_aborted_request_checking_a_draft_leaves_nothing_behind(tiny_en_engine, speech_audio):
+    engine = tiny_en_engine
+    tokens, _, _, _ = _decode(engine, "abort-plain", speech_audio[15])
+    engine.add_request("abort-draft", speech_audio[15], "en", draft=tokens[:-1])
+    engine.step()  # encoder and prompt
+    engine.step()  # the first check of the draft
+    assert engine.abort("abort-draft").finish_reason == "abort"
+    while engine.has_work():
+        engine.step()
+    _assert_idle(engine)
+
+
+def test_a_draft_must_be_text_tokens(tiny_en_engine, speech_audio):
+    eot = tiny_en_engine.tokenizer.special.eot
+    for draft in ([eot], [5, -1], [1] * 300):
+        with pytest.raises(InvalidRequestError, match="draft"):
+            tiny_en_engine.add_request("bad-draft", speech_audio[0], "en", draft=draft)
+    _assert_idle(tiny_en_engine)
+
+
+@pytest.mark.parametrize("draft, kept, chosen, rest", [
+    ([1, 2, 3, 4], 4, 9, []),  # all kept: nothing left
+    ([1, 2, 3, 4, 5], 2, 3, [4, 5]),  # kept 2, and the choice is the draft's next: on after it
+    ([1, 2, 3, 4, 5], 2, 4, [5]),  # Whisper skipped a draft token
+    ([1, 2, 3, 4, 5], 2, 9, [3, 4, 5]),  # a token the draft lacks: its next one is checked next
+    ([1, 2, 3, 4, 5], 0, 9, []),  # wrong from its first token: given up
+    ([1, 2, 3, 4, 5, 6, 7, 8], 0, 8, []),  # the choice too far ahead to take up
+])
+def test_the_draft_is_taken_up_where_the_decode_rejoins_it(draft, kept, chosen, rest):
+    request = SimpleNamespace(draft_token_ids=list(draft))
+    assert advance(request, kept, chosen) == kept
+    assert request.draft_token_ids == rest
+
+
+def test_a_final_drafts_what_the_last_interim_read_after_the_sent_words():
+    assert draft_after([1, 2, 3, 4], [1, 2]) == [3, 4]
+    assert draft_after([1, 2], [1, 2]) is None  # nothing more
+    assert draft_after([1, 5, 3], [1, 2]) is None  # does not continue what was sent
+    assert draft_after(None, []) is None
