@@ -13,8 +13,9 @@ from asrserve.entrypoints.live_decode import draft_after
 from asrserve.errors import InvalidRequestError
 
 
-def _decode(engine, request_id: str, audio, **kwargs) -> tuple[list[int], list[float], int, str]:
-    """Tokens, log-probabilities, engine steps and finish reason of one request run alone."""
+def _decode(engine, request_id: str, audio, summary: list | None = None, **kwargs) -> tuple[list[int], list[float], int, str]:
+    """Tokens, log-probabilities, engine steps and finish reason of one request run alone
+    (its DecodeSummary appended to `summary`, when given)."""
     params = kwargs.pop("sampling_params", None) or SamplingParams.transcription(0.0)
     engine.add_request(request_id, audio, "en", sampling_params=params, **kwargs)
     tokens, logprobs, steps, reason = [], [], 0, None
@@ -25,7 +26,10 @@ def _decode(engine, request_id: str, audio, **kwargs) -> tuple[list[int], list[f
                 tokens, logprobs = [], []
             tokens += output.new_token_ids
             logprobs += output.new_logprobs
-            reason = output.finish_reason if output.finished else reason
+            if output.finished:
+                reason = output.finish_reason
+                if summary is not None:
+                    summary.append(output.summary)
     return tokens, logprobs, steps, reason
 
 
@@ -82,7 +86,26 @@ def test_a_draft_stops_where_the_decode_would(tiny_en_engine, speech_audio):
     _assert_idle(engine)
 
 
-def test_only_a_greedy_decode_without_timestamps_checks_a_draft(tiny_en_engine, speech_audio):
+def test_a_decode_that_times_its_words_checks_a_draft_and_keeps_their_times(tiny_en_engine, speech_audio):
+    """Live interim decodes time their words (from the alignment heads' scores at each token):
+    a token kept from the draft brings the scores of the position it was checked at."""
+    engine = tiny_en_engine
+    timed = SamplingParams(temperature=0.0, word_timestamps=True)
+    for index in (4, 15):
+        summaries: list = []
+        tokens, logprobs, steps, _ = _decode(engine, f"words-plain-{index}", speech_audio[index], summaries,
+                                             sampling_params=timed)
+        for name, draft in _drafts(tokens[:-1]).items():
+            drafted, drafted_logprobs, drafted_steps, _ = _decode(
+                engine, f"words-{index}-{name}", speech_audio[index], summaries, sampling_params=timed, draft=draft)
+            assert drafted == tokens and drafted_logprobs == pytest.approx(logprobs, abs=1e-4), name
+            assert summaries[-1].token_times == pytest.approx(summaries[0].token_times, abs=0.021), name
+            if name == "exact":
+                assert drafted_steps < steps / 4
+        _assert_idle(engine)
+
+
+def test_only_a_greedy_decode_without_timestamp_tokens_checks_a_draft(tiny_en_engine, speech_audio):
     engine = tiny_en_engine
     audio = speech_audio[6]
     timed = SamplingParams.transcription(0.0, timestamps=True)

@@ -32,13 +32,11 @@ RESYNC_WINDOW = 4  # draft positions searched for the token chosen where the dra
 
 def can_check(request: Request) -> bool:
     """The request's next step may check draft tokens: its own greedy decode, past its prompt
-    (one new token), without timestamps or word timing (their rules and scores are per token
-    and sequence)."""
-    params = request.sampling_params
+    (one new token), without timestamp tokens (their rules follow the sequence token by token).
+    Word timing is fine: every position checked brings its alignment row."""
     return (
         bool(request.draft_token_ids) and request.temperature == 0 and not request.is_sibling
-        and not params.timestamps and not params.word_timestamps and not request.needs_language
-        and request.num_new_tokens == 1
+        and not request.sampling_params.timestamps and not request.needs_language and request.num_new_tokens == 1
     )
 
 
@@ -90,13 +88,17 @@ class DraftCounts:
         self.checked = 0
         self.accepted = 0
 
-    def settle(self, request: Request, proposal: list[int], sampled: SamplerOutput, index: int,
-               chosen: int) -> list[tuple[int, float]]:
-        """The draft tokens request `index` of the step kept, with their log-probabilities,
-        before its new token `chosen`; moves its draft past them."""
+    def settle(self, request: Request, proposal: list[int], sampled: SamplerOutput, index: int) -> list[tuple]:
+        """The tokens request `index` of the step takes, in order: the draft tokens it kept,
+        then its new token, each as (token, log-probability, alignment scores or None);
+        moves its draft past them."""
+        token, logprob = sampled.token_ids[index], sampled.logprobs[index]
+        timed = request.sampling_params.word_timestamps
+        alignment = sampled.alignment_scores[index] if timed else None
         if not proposal:
-            return []
-        kept = advance(request, sampled.num_accepted[index], chosen)
+            return [(token, logprob, alignment)]
+        kept = advance(request, sampled.num_accepted[index], token)
         self.checked += len(proposal)
         self.accepted += kept
-        return list(zip(proposal[:kept], sampled.accepted_logprobs[index]))
+        rows = alignment if timed else [None] * (kept + 1)  # one per position: [1 + draft, heads, 1500]
+        return [*zip(proposal[:kept], sampled.accepted_logprobs[index], rows[:kept]), (token, logprob, rows[kept])]

@@ -173,9 +173,7 @@ class Scheduler:
                 request.prompt_token_ids.extend(request.prefix_token_ids)
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
                 continue
-            alignment = sampled.alignment_scores[index] if request.sampling_params.word_timestamps else None
-            kept = self.drafts.settle(request, proposal, sampled, index, token_id)
-            for token, token_logprob in [*kept, (token_id, logprob)]:
+            for token, token_logprob, alignment in self.drafts.settle(request, proposal, sampled, index):
                 request.num_computed_tokens = request.num_tokens  # a kept draft token's K/V is computed
                 finished, token_outputs = self._append(request, token, token_logprob, alignment)
                 outputs.extend(token_outputs)

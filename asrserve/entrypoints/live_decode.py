@@ -98,14 +98,14 @@ class DecodeCollector:
 async def decode(
     engine: AsyncEngineClient, tokenizer: WhisperTokenizer, audio: np.ndarray, language: str | None,
     prompt: str | None, prefix: list[int], params: SamplingParams, final: bool = False,
-    draft: list[int] | None = None,
+    previous: list[int] | None = None,
 ) -> LiveDecode:
     """One engine request, served ahead of file work (a final decode also ahead of interims);
-    cancelling this aborts it. draft: the tokens the latest interim decode read after
-    `prefix`, which the engine checks several at a time (engine/draft.py)."""
+    cancelling this aborts it. previous: the tokens of the latest interim decode of this audio
+    (so far), whose words after `prefix` the engine checks several at a time (draft_after)."""
     request_id = f"rt-{_prefix}-{next(_ids)}"
     request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True,
-                            urgent=final, draft=draft)
+                            urgent=final, draft=draft_after(previous, prefix))
     stream = engine.add([request])[0]
     collected = DecodeCollector(language)
     try:
@@ -119,8 +119,9 @@ async def decode(
 
 def draft_after(previous: list[int] | None, sent: list[int]) -> list[int] | None:
     """What the latest interim decode (`previous`, its tokens) read after the tokens sent:
-    most of the final decode's tokens, which the engine then checks a few steps at a time
-    rather than decoding them one a step. None when it does not continue what was sent."""
+    most of the next decode's tokens (the final's, or the next interim's, which reads the same
+    audio and a little more), which the engine then checks several a step rather than
+    decoding them one a step. None when it does not continue what was sent."""
     if not previous or previous[: len(sent)] != sent:
         return None
     return previous[len(sent):] or None

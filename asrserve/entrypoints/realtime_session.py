@@ -218,8 +218,7 @@ class RealtimeSession:
         audio = self.audio.slice(segment.start, end)
         segment.final = self._spawn(live_decode.decode(
             self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
-            live_decode.final_params(bool(segment.stable)), final=True,
-            draft=live_decode.draft_after(segment.previous, segment.stable),
+            live_decode.final_params(bool(segment.stable)), final=True, previous=segment.previous,
         ))
         self.options.finals.track(segment.final)
 
@@ -316,7 +315,7 @@ class RealtimeSession:
                 segment.decoded_until = end
                 result = await live_decode.decode(
                     self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
-                    self.config.prompt, segment.stable, live_decode.interim_params(),
+                    self.config.prompt, segment.stable, live_decode.interim_params(), previous=segment.previous,
                 )
             if self.item is not item or item.segments[-1] is not segment or segment.final is not None:
                 continue

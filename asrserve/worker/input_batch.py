@@ -123,9 +123,13 @@ class DecoderInputBuilder:
         # on a language-detection step, which samples no output token).
         aligned = [i for i, r in enumerate(requests) if r.sampling_params.word_timestamps and not r.needs_language]
         if aligned:
+            # a row for each token the request may take this step (its draft's too)
+            counts = [requests[i].num_draft_tokens + 1 for i in aligned]
             metadata.alignment = AlignmentQuery(
-                token_rows=self._tensor(last_token_rows[aligned]),
-                cross_slots=[cross_slots[i] for i in aligned],
+                token_rows=self._tensor(np.concatenate([
+                    np.arange(last_token_rows[i] - count + 1, last_token_rows[i] + 1) for i, count in zip(aligned, counts)
+                ])),
+                cross_slots=[cross_slots[i] for i, count in zip(aligned, counts) for _ in range(count)],
                 heads_by_layer=self.alignment_heads,
             )
         return DecoderInputs(

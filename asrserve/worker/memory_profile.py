@@ -76,7 +76,7 @@ def worst_step_bytes(runner, config: EngineConfig, wanted_blocks: int) -> int:
         logits = runner.model.decoder.compute_logits(hidden[inputs.logits_indices])
         del hidden
         runner.sampler(logits[: len(requests)], requests)
-        scores = runner._alignment_scores(inputs, len(requests))
+        scores = runner._alignment_scores(inputs, requests)
         torch.cuda.synchronize(device)
         decode_peak = torch.cuda.max_memory_allocated(device) - at_rest
         del logits, scores, inputs

@@ -219,7 +219,7 @@ class ModelRunner:
             if inputs.no_speech_rows:
                 exact.refine_near_top(logits[num_rows:], first_row=num_rows)
         no_speech_probs = self._no_speech_probs(logits[num_rows:], inputs.no_speech_rows, len(requests))
-        return logits[:num_rows], no_speech_probs, self._alignment_scores(inputs, len(requests)), exact
+        return logits[:num_rows], no_speech_probs, self._alignment_scores(inputs, requests), exact
 
     def _no_speech_probs(self, logits: torch.Tensor, rows: list[tuple[int, int]], num_requests: int) -> list:
         """P(<|nospeech|>) from the unfiltered logits at <|startoftranscript|>, as Whisper reads
@@ -231,18 +231,24 @@ class ModelRunner:
                 probs[index] = value
         return probs
 
-    def _alignment_scores(self, inputs: DecoderInputs, num_requests: int) -> list:
-        scores: list[torch.Tensor | None] = [None] * num_requests
+    def _alignment_scores(self, inputs: DecoderInputs, requests: list[Request]) -> list:
+        """Per request: the alignment heads' scores [heads, 1500] of its sampling position, or
+        of every position it may take a token at, [1 + draft tokens, heads, 1500], while it
+        checks a draft; None where words are not timed."""
+        scores: list[torch.Tensor | None] = [None] * len(requests)
         alignment = inputs.metadata.alignment
         if alignment is not None:
-            # [aligned requests, all alignment heads, 1500], heads in layer order
+            # [aligned rows, all alignment heads, 1500], heads in layer order
             stacked = torch.cat([alignment.scores[layer] for layer in sorted(alignment.scores)], dim=1)
             # Host memory: a request keeps one [heads, 1500] row per token until it finishes
             # (up to ~240 KB a token for turbo without an alignment-head list), which on a GPU
             # would sit outside the KV budget. One copy per step, only when words are timed.
             stacked = stacked.cpu()
-            for index, row in zip(inputs.aligned_requests, stacked):
-                scores[index] = row
+            row = 0
+            for index in inputs.aligned_requests:
+                count = requests[index].num_draft_tokens + 1
+                scores[index] = stacked[row] if count == 1 else stacked[row:row + count]
+                row += count
         return scores
 
     def _run_encoder(self, requests: list[Request]) -> None:
