@@ -16,7 +16,8 @@ siblings start for requests with samples waiting, oldest first; then waiting req
 admitted in order while there is a sequence slot, room in this step's encoder batch and the
 encoder cache, and blocks for their cross-attention and prompt. A class's queue is never
 skipped, so nothing starves; the pool always holds one full-length sequence, so the oldest
-request always advances.
+request always advances. A greedy request given a draft (engine/draft.py) checks several of its
+guessed tokens in one step and takes as many as the decode agrees with.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Scheduler:
             output.scheduled = [r for r in output.scheduled if r.status is RequestStatus.RUNNING]
             return output
         for request in output.scheduled:
-            if can_check(request):  # a live final's guess at its next tokens (draft.py)
+            if can_check(request):  # a live decode's guess at its next tokens (draft.py)
                 attach(request, self.block_manager, self.max_model_len)
         # Usually none: only requests in fallback or best_of have samples waiting.
         pending = [
