@@ -44,7 +44,7 @@ def _drafts(text: list[int]) -> dict[str, list[int]]:
     blank first, wrong throughout, the first half."""
     return {
         "exact": text,
-        "changed": text[:3] + [text[3] + 1] + text[4:],
+        "changed": text[:3] + [token + 1 for token in text[3:4]] + text[4:],
         "missing": text[:4] + text[5:],
         "extra": text[:4] + [1000] + text[4:],
         "blank first": [220] + text,
@@ -159,3 +159,32 @@ def test_a_final_drafts_what_the_last_interim_read_after_the_sent_words():
     assert draft_after([1, 2], [1, 2]) is None  # nothing more
     assert draft_after([1, 5, 3], [1, 2]) is None  # does not continue what was sent
     assert draft_after(None, []) is None
+
+
+def test_requests_checking_drafts_side_by_side_through_preemptions(tiny_en_engine, speech_audio):
+    """Eight requests at once, each with a draft (every kind above in turn), in a pool so
+    small that sequences are preempted and resumed (blocks of 4 tokens; cross-attention takes
+    375 of them): every output is the one it has alone without a draft, and every block
+    comes back."""
+    from asrserve.engine.engine_core import EngineCore
+    from tests.conftest import engine_config
+
+    clips = speech_audio[1:9]
+    plain = {index: _decode(tiny_en_engine, f"alone-plain-{index}", audio)[0] for index, audio in enumerate(clips)}
+    engine = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=3 * 375 + 4))
+    kinds = list(_drafts([1]).keys())
+    for index, audio in enumerate(clips):
+        draft = _drafts(plain[index][:-1] or [1000])[kinds[index % len(kinds)]]
+        engine.add_request(f"tight-{index}", audio, "en", sampling_params=SamplingParams.transcription(0.0),
+                           draft=draft)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for output in engine.step():
+            if output.restarted:  # a fallback's result replaces what was streamed
+                tokens[output.request_id] = []
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.drafts.accepted > 0
+    for index in plain:
+        assert tokens[f"tight-{index}"] == plain[index], index
+    _assert_idle(engine)
