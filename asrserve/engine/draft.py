@@ -96,6 +96,8 @@ class DraftCounts:
         timed = request.sampling_params.word_timestamps
         alignment = sampled.alignment_scores[index] if timed else None
         if not proposal:
+            if request.draft_token_ids:  # a token decoded without checking (the first, after the prompt)
+                advance(request, 0, token)
             return [(token, logprob, alignment)]
         kept = advance(request, sampled.num_accepted[index], token)
         self.checked += len(proposal)
