@@ -6,7 +6,7 @@ as the request's draft, up to MAX_DRAFT_TOKENS of them are fed to the decoder af
 token in one step, as a prompt is (the scheduler appends them to the outputs for that step);
 the step's logits at each of those positions give greedy decoding's choice there, and the draft
 is kept up to the first position where the choice differs, whose choice is the step's new
-token (worker/draft_rows.py). A 25-token final then takes a few decoder steps instead of 25,
+token (worker/draft_rows.py, verify). A 25-token final then takes a few decoder steps instead of 25,
 and under load every step is one where another audio's encoder forward can land (the live
 latency tail, docs/benchmarks.md).
 
@@ -99,8 +99,9 @@ class DraftCounts:
             if request.draft_token_ids:  # a token decoded without checking (the first, after the prompt)
                 advance(request, 0, token)
             return [(token, logprob, alignment)]
-        kept = advance(request, sampled.num_accepted[index], token)
+        kept_logprobs = sampled.accepted_logprobs[index]
+        kept = advance(request, len(kept_logprobs), token)
         self.checked += len(proposal)
         self.accepted += kept
         rows = alignment if timed else [None] * (kept + 1)  # one per position: [1 + draft, heads, 1500]
-        return [*zip(proposal[:kept], sampled.accepted_logprobs[index], rows[:kept]), (token, logprob, rows[kept])]
+        return [*zip(proposal[:kept], kept_logprobs, rows[:kept]), (token, logprob, rows[kept])]

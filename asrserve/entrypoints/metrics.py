@@ -63,7 +63,7 @@ class ServerMetrics:
             "asrserve_preemptions", "Requests preempted for lack of KV blocks since start", registry=registry
         )
         self.draft_tokens_checked = Gauge(
-            "asrserve_draft_tokens_checked", "Draft tokens (a live final's guess from its last interim decode) "
+            "asrserve_draft_tokens_checked", "Draft tokens (a live decode's guess from the session's last interim decode) "
             "checked by the decoder since start", registry=registry,
         )
         self.draft_tokens_accepted = Gauge(

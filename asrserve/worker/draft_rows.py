@@ -36,11 +36,11 @@ def sampler_rows(requests: list[Request]) -> list:
     return rows
 
 
-def settle(requests: list[Request], per_row: SamplerOutput) -> SamplerOutput:
+def verify(requests: list[Request], per_row: SamplerOutput) -> SamplerOutput:
     """Every row's choice -> one new token per request: a checking request keeps its draft up
     to the first row whose choice differs from it, and that row's choice (after a wholly kept
     draft: the last row's) is its new token."""
-    token_ids, logprobs, num_accepted, accepted_logprobs = [], [], [], []
+    token_ids, logprobs, accepted_logprobs = [], [], []
     row = 0
     for request in requests:
         count = request.num_draft_tokens
@@ -53,6 +53,5 @@ def settle(requests: list[Request], per_row: SamplerOutput) -> SamplerOutput:
             kept += 1
         token_ids.append(choices[kept])
         logprobs.append(choice_logprobs[kept])
-        num_accepted.append(kept)
         accepted_logprobs.append(choice_logprobs[:kept])
-    return SamplerOutput(token_ids, logprobs, num_accepted=num_accepted, accepted_logprobs=accepted_logprobs)
+    return SamplerOutput(token_ids, logprobs, accepted_logprobs=accepted_logprobs)

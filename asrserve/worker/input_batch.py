@@ -114,22 +114,21 @@ class DecoderInputBuilder:
             self._plan_cross_runs(metadata, query_lens)
         padded_tokens = self._padded_size(num_tokens)
         last_token_rows = np.cumsum(query_lens) - 1
+        # The rows a request may take a token at: its last token's, and each draft token's.
+        draft_counts = [r.num_draft_tokens for r in requests]
+        rows_by_request = None
         sample_rows = last_token_rows
-        if any(r.num_draft_tokens for r in requests):
-            sample_rows = np.concatenate([
-                np.arange(last - r.num_draft_tokens, last + 1) for last, r in zip(last_token_rows, requests)
-            ])
+        if any(draft_counts):
+            rows_by_request = [np.arange(last - count, last + 1) for last, count in zip(last_token_rows, draft_counts)]
+            sample_rows = np.concatenate(rows_by_request)
         # Word timestamps: the alignment heads' scores where each aligned request samples (not
         # on a language-detection step, which samples no output token).
         aligned = [i for i, r in enumerate(requests) if r.sampling_params.word_timestamps and not r.needs_language]
         if aligned:
-            # a row for each token the request may take this step (its draft's too)
-            counts = [requests[i].num_draft_tokens + 1 for i in aligned]
             metadata.alignment = AlignmentQuery(
-                token_rows=self._tensor(np.concatenate([
-                    np.arange(last_token_rows[i] - count + 1, last_token_rows[i] + 1) for i, count in zip(aligned, counts)
-                ])),
-                cross_slots=[cross_slots[i] for i, count in zip(aligned, counts) for _ in range(count)],
+                token_rows=self._tensor(last_token_rows[aligned] if rows_by_request is None
+                                        else np.concatenate([rows_by_request[i] for i in aligned])),
+                cross_slots=[cross_slots[i] for i in aligned for _ in range(draft_counts[i] + 1)],
                 heads_by_layer=self.alignment_heads,
             )
         return DecoderInputs(

@@ -195,7 +195,7 @@ class ModelRunner:
                 for index, no_speech, alignment in zip(eager, eager_no_speech, eager_alignment):
                     no_speech_probs[index], alignment_scores[index] = no_speech, alignment
         if checks_drafts:
-            sampled = draft_rows.settle(requests, self.sampler(logits, draft_rows.sampler_rows(requests), exact))
+            sampled = draft_rows.verify(requests, self.sampler(logits, draft_rows.sampler_rows(requests), exact))
         else:
             sampled = self.sampler(logits, requests, exact)
         sampled.no_speech_probs = no_speech_probs

@@ -27,9 +27,8 @@ class SamplerOutput:
     # the alignment heads' cross-attention scores [heads, 1500] of the sampling position.
     no_speech_probs: list[float | None] = field(default_factory=list)
     alignment_scores: list[torch.Tensor | None] = field(default_factory=list)
-    # Per request, in a step that checked draft tokens (engine/draft.py): how many it kept
-    # before token_ids' choice, and their log-probabilities. Empty otherwise.
-    num_accepted: list[int] = field(default_factory=list)
+    # Per request, in a step that checked draft tokens (engine/draft.py): the log-probabilities
+    # of the draft tokens it kept before token_ids' choice (as many as it kept). Empty otherwise.
     accepted_logprobs: list[list[float]] = field(default_factory=list)
 
 
