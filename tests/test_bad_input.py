@@ -15,6 +15,7 @@ import soxr
 
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
+from tests.conftest import require_ffmpeg
 from tests.server_utils import ServerProcess
 from tests.test_server import _assert_error
 
@@ -77,6 +78,7 @@ def _encode(samples: np.ndarray, rate: int, fmt: str, subtype: str | None = None
 
 
 def _ffmpeg(data: bytes, output_format: str) -> bytes:
+    require_ffmpeg()
     result = subprocess.run(
         ["ffmpeg", "-loglevel", "error", "-i", "pipe:0", "-f", output_format, "pipe:1"],
         input=data, capture_output=True, check=True,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from asrserve.audio.decode import AudioError, load_audio
 from asrserve.config import SAMPLE_RATE
+from tests.conftest import require_ffmpeg
 from tests.server_utils import ServerProcess
 
 MAX_DURATION_S = 30
@@ -44,6 +45,7 @@ def seed_files() -> dict[str, bytes]:
         buffer = io.BytesIO()
         soundfile.write(buffer, samples, SAMPLE_RATE, format=fmt, subtype=subtype)
         files[name] = buffer.getvalue()
+    require_ffmpeg()
     for name, container in (("m4a", "mp4"), ("webm", "webm")):  # decoded through ffmpeg (PyAV)
         files[name] = subprocess.run(
             ["ffmpeg", "-loglevel", "error", "-f", "wav", "-i", "pipe:0", "-movflags", "frag_keyframe+empty_moov",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,14 +26,13 @@ from asrserve.entrypoints.realtime_protocol import (
     _mulaw_table,
 )
 from asrserve.entrypoints.realtime_session import RealtimeSession
-from tests.conftest import synthesize
+from tests.conftest import require_espeak, synthesize
 
 
 @pytest.fixture(scope="module")
 def spoken(tmp_path_factory) -> np.ndarray:
     """Two sentences with a second of silence between them, 16 kHz."""
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed")
+    require_espeak()
     from asrserve.audio.decode import load_audio
 
     directory = tmp_path_factory.mktemp("turns")

@@ -4,18 +4,16 @@ The full run (2000 requests, memory growth under 5% after warm-up) is in docs/be
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from benchmarks.soak import MODES, mixed_workload, run_soak
+from tests.conftest import require_espeak
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_in_every_mode_frees_everything(tmp_path):
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    require_espeak()
     files = mixed_workload(tmp_path, long_audio=False)
     result = run_soak(num_requests=48, concurrency=8, segment=12, warmup=12, files=files,
                       server_args=("--dtype", "float32"))

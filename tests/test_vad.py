@@ -4,7 +4,6 @@ get_speech_timestamps, and pieces for Whisper cut only in pauses, skip silence, 
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import threading
 import warnings
 
@@ -16,7 +15,7 @@ from asrserve.audio import vad
 from asrserve.audio.decode import load_audio
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
 from benchmarks.workloads import HARVARD
-from tests.conftest import SHARED_AUDIO, synthesize
+from tests.conftest import SHARED_AUDIO, require_espeak, synthesize
 
 SR = SAMPLE_RATE
 needs_silero = pytest.mark.skipif(
@@ -37,8 +36,7 @@ def import_silero():
 @pytest.fixture(scope="module")
 def sentences(tmp_path_factory) -> list[np.ndarray]:
     """The Harvard sentences spoken by espeak-ng, each trimmed to its non-silent part."""
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
+    require_espeak()
     directory = tmp_path_factory.mktemp("vad")
     clips = []
     for i, text in enumerate(HARVARD):
