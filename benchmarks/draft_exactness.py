@@ -22,23 +22,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from asrserve.engine.engine_core import EngineCore
-from asrserve.engine.request import SamplingParams
+from asrserve.engine.request import RequestOutput, SamplingParams
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg"}
 
 
-def decode(engine: EngineCore, audio, language: str, draft: list[int] | None = None) -> tuple[list[int], list[float], int]:
-    """Tokens, log-probabilities and engine steps of one greedy request run alone."""
-    engine.add_request("r", audio, language, sampling_params=SamplingParams.transcription(0.0), draft=draft)
-    tokens, logprobs, steps = [], [], 0
-    while engine.has_unfinished_requests():
+def decode_alone(
+    engine: EngineCore, request_id: str, audio, language: str, **kwargs
+) -> tuple[list[int], list[float], int, RequestOutput]:
+    """Tokens, log-probabilities, engine steps and last output of one request run alone
+    (kwargs: add_request's; sampling_params greedy with Whisper's fallback by default)."""
+    params = kwargs.pop("sampling_params", None) or SamplingParams.transcription(0.0)
+    engine.add_request(request_id, audio, language, sampling_params=params, **kwargs)
+    tokens, logprobs, steps, last = [], [], 0, None
+    while engine.has_work():
         steps += 1
         for output in engine.step():
             if output.restarted:
                 tokens, logprobs = [], []
             tokens += output.new_token_ids
             logprobs += output.new_logprobs
-    return tokens, logprobs, steps
+            if output.finished:
+                last = output
+    return tokens, logprobs, steps, last
+
+
+def decode(
+    engine: EngineCore, audio, language: str, draft: list[int] | None = None
+) -> tuple[list[int], list[float], int]:
+    """Tokens, log-probabilities and engine steps of one greedy request run alone."""
+    return decode_alone(engine, "r", audio, language, draft=draft)[:3]
 
 
 def drafts(text: list[int], eot: int) -> dict[str, list[int]]:

@@ -45,12 +45,14 @@ def write_sets(directory: Path) -> None:
         real[f"real{index}.wav"] = text
         soundfile.write(folders["real speech"] / f"real{index}.wav", audio, SAMPLE_RATE, subtype="FLOAT")
     write_manifest(folders["real speech"], real)
-    for name, make in (("Harvard clips", lambda d: short_clips(32, d)), ("long, timestamps", lambda d: long_recordings(2, 90, d))):
+    makers = {"Harvard clips": lambda d: short_clips(32, d), "long, timestamps": lambda d: long_recordings(2, 90, d)}
+    for name, make in makers.items():
         # 16-bit WAV files: as FLAC, the same samples in half the bytes
         references = {}
         for file, text in make(folders[name]).items():
             path = folders[name] / file
-            soundfile.write(path.with_suffix(".flac"), soundfile.read(path, dtype="int16")[0], soundfile.info(path).samplerate)
+            samples, rate = soundfile.read(path, dtype="int16")
+            soundfile.write(path.with_suffix(".flac"), samples, rate)
             path.unlink()
             references[Path(file).with_suffix(".flac").name] = text
         write_manifest(folders[name], references)

@@ -120,8 +120,8 @@ def main() -> int:
         for init in (vad / "__init__.py", vad / "data" / "__init__.py"):
             init.touch()
         shutil.copy(_silero_weights(), vad / "data" / "silero_vad.jit")
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dtype_accuracy.py"), "--write-sets", str(out / "sets")],
-                       check=True)
+        write_sets = [sys.executable, str(ROOT / "benchmarks" / "dtype_accuracy.py"), "--write-sets", str(out / "sets")]
+        subprocess.run(write_sets, check=True)
     exclude = ROOT / ".git" / "info" / "exclude"
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
@@ -130,12 +130,13 @@ def main() -> int:
         download(ROOT / ".whl", WHEELS)
     if args.suite:
         download(ROOT / ".whl-suite", SUITE_WHEELS)
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(ROOT / ".whl-suite"), *SUITE_SDISTS],
-                       check=True)
+        build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(ROOT / ".whl-suite"), *SUITE_SDISTS]
+        subprocess.run(build, check=True)
         download(ROOT / ".whl-av", ["av"])
         # espeak-ng's speech for every test that asks for it, kept by voice and text
         environment = {**os.environ, SPEECH_CACHE: str(out / "speech")}
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=environment)
+        suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+        subprocess.run(suite, cwd=ROOT, env=environment)
     print(f"wrote {out} and {ROOT / '.whl'}")
     return 0
 

@@ -11,26 +11,16 @@ from asrserve.engine.draft import MAX_DRAFT_TOKENS, advance
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.live_decode import draft_after
 from asrserve.errors import InvalidRequestError
+from benchmarks.draft_exactness import decode_alone
 
 
 def _decode(engine, request_id: str, audio, summary: list | None = None, **kwargs) -> tuple[list[int], list[float], int, str]:
     """Tokens, log-probabilities, engine steps and finish reason of one request run alone
     (its DecodeSummary appended to `summary`, when given)."""
-    params = kwargs.pop("sampling_params", None) or SamplingParams.transcription(0.0)
-    engine.add_request(request_id, audio, "en", sampling_params=params, **kwargs)
-    tokens, logprobs, steps, reason = [], [], 0, None
-    while engine.has_work():
-        steps += 1
-        for output in engine.step():
-            if output.restarted:
-                tokens, logprobs = [], []
-            tokens += output.new_token_ids
-            logprobs += output.new_logprobs
-            if output.finished:
-                reason = output.finish_reason
-                if summary is not None:
-                    summary.append(output.summary)
-    return tokens, logprobs, steps, reason
+    tokens, logprobs, steps, last = decode_alone(engine, request_id, audio, "en", **kwargs)
+    if summary is not None:
+        summary.append(last.summary)
+    return tokens, logprobs, steps, last.finish_reason
 
 
 def _assert_idle(engine) -> None:
