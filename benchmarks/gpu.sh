@@ -9,7 +9,8 @@
 # transformers benchmark (benchmarks/gpu_bench.py) and the HTTP benchmark (asrserve bench against
 # `asrserve serve` on large-v3-turbo with dummy weights), writing logs and JSON to OUTDIR.
 # GPU_STAGES picks stages (default "tests engine http"; "accuracy" and "suite" need
-# gpu_prepare.py --real-weights [--suite] and several calls, see each). One device command runs at most 10 minutes: run "tests engine" in one and
+# gpu_prepare.py --real-weights [--suite] and several calls, see each; "none" only installs the
+# wheels and keeps the folders carried, for a call that brings part of what a later one needs). One device command runs at most 10 minutes: run "tests engine" in one and
 # "http" in another.
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: benchmarks/gpu.sh OUTDIR}" && cd "$1" && pwd)
