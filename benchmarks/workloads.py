@@ -47,7 +47,8 @@ SPEECH_CACHE = "ASRSERVE_SPEECH_CACHE"
 
 def have_espeak() -> bool:
     """espeak-ng is installed, or $ASRSERVE_SPEECH_CACHE holds what it said before."""
-    return shutil.which("espeak-ng") is not None or bool(os.environ.get(SPEECH_CACHE))
+    cache = os.environ.get(SPEECH_CACHE)
+    return shutil.which("espeak-ng") is not None or bool(cache and Path(cache).is_dir())
 
 
 def speak(text: str, path: Path, voice: str = "en-us") -> Path:

@@ -126,8 +126,8 @@ def test_log_mel_matches_transformers(n_mels):
 
 @pytest.mark.parametrize("suffix", ["m4a", "webm", "mp4", "aac"])
 def test_containers_libsndfile_refuses_decode_through_ffmpeg(speech_files, tmp_path, suffix):
-    wav = load_audio(speech_files[1])
     require_ffmpeg()
+    wav = load_audio(speech_files[1])
     path = tmp_path / f"clip.{suffix}"
     command = ["ffmpeg", "-loglevel", "error", "-y", "-i", str(speech_files[1]), str(path)]
     subprocess.run(command, check=True)
