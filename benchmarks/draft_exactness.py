@@ -64,6 +64,14 @@ def drafts(text: list[int], eot: int) -> dict[str, list[int]]:
     }
 
 
+def where_they_differ(engine: EngineCore, plain: list[int], drafted: list[int]) -> str:
+    """The first token where two decodes part, as text around it."""
+    index = next((i for i, (a, b) in enumerate(zip(plain, drafted)) if a != b), min(len(plain), len(drafted)))
+    decode_text = engine.tokenizer.decode
+    before = decode_text(plain[max(0, index - 4):index])
+    return f"...{before}[{decode_text(plain[index:index + 2])!r} -> {decode_text(drafted[index:index + 2])!r}]"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
@@ -94,7 +102,7 @@ def main() -> int:
                 diff = max((abs(a - b) for a, b in zip(logprobs, drafted_logprobs)), default=0.0)
                 result["max_logprob_diff"] = max(result["max_logprob_diff"], diff)
             else:
-                result["changed"].append(f"{path.name}: {name}")
+                result["changed"].append(f"{path.name}: {name}: {where_they_differ(engine, tokens, drafted)}")
             if name == "exact":
                 result["steps_exact_draft"] += drafted_steps
     manager = engine.scheduler.block_manager
