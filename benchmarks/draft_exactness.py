@@ -57,6 +57,8 @@ def decode(
 
 
 def drafts(text: list[int], eot: int) -> dict[str, list[int]]:
+    """Guesses a decode may get from `text` (its text tokens): right, one token changed, one
+    missing, one extra, wrong throughout, the first half."""
     changed = text[:3] + [(token + 1) % eot for token in text[3:4]] + text[4:]
     return {
         "exact": text, "changed": changed, "missing": text[:4] + text[5:], "extra": text[:4] + [1000] + text[4:],

@@ -11,10 +11,12 @@ from asrserve.engine.draft import MAX_DRAFT_TOKENS, advance
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.live_decode import draft_after
 from asrserve.errors import InvalidRequestError
-from benchmarks.draft_exactness import decode_alone
+from benchmarks.draft_exactness import decode_alone, drafts
 
 
-def _decode(engine, request_id: str, audio, summary: list | None = None, **kwargs) -> tuple[list[int], list[float], int, str]:
+def _decode(
+    engine, request_id: str, audio, summary: list | None = None, **kwargs
+) -> tuple[list[int], list[float], int, str]:
     """Tokens, log-probabilities, engine steps and finish reason of one request run alone
     (its DecodeSummary appended to `summary`, when given)."""
     tokens, logprobs, steps, last = decode_alone(engine, request_id, audio, "en", **kwargs)
@@ -29,18 +31,10 @@ def _assert_idle(engine) -> None:
     assert manager.num_free_blocks == manager.num_blocks, "a draft's blocks leaked"
 
 
-def _drafts(text: list[int]) -> dict[str, list[int]]:
-    """Guesses a final decode may get: right, one token changed, one missing, one extra, a
-    blank first, wrong throughout, the first half."""
-    return {
-        "exact": text,
-        "changed": text[:3] + [token + 1 for token in text[3:4]] + text[4:],
-        "missing": text[:4] + text[5:],
-        "extra": text[:4] + [1000] + text[4:],
-        "blank first": [220] + text,
-        "wrong": [1000 + i for i in range(20)],
-        "first half": text[: len(text) // 2],
-    }
+def _drafts(text: list[int], eot: int) -> dict[str, list[int]]:
+    """The benchmark's guesses (right, one token changed, missing, extra, wrong, the first
+    half) and a blank first."""
+    return {**drafts(text, eot), "blank first": [220, *text]}
 
 
 def test_a_draft_changes_no_output_and_a_right_one_saves_most_steps(tiny_en_engine, speech_audio):
@@ -49,7 +43,8 @@ def test_a_draft_changes_no_output_and_a_right_one_saves_most_steps(tiny_en_engi
         audio = speech_audio[index]
         tokens, logprobs, steps, reason = _decode(engine, f"plain-{index}", audio)
         assert reason == "stop" and len(tokens) > MAX_DRAFT_TOKENS
-        for name, draft in _drafts(tokens[:-1]).items():  # text tokens: <|endoftext|> is not one
+        # text tokens: <|endoftext|> is not one
+        for name, draft in _drafts(tokens[:-1], engine.tokenizer.special.eot).items():
             drafted, drafted_logprobs, drafted_steps, drafted_reason = _decode(
                 engine, f"draft-{index}-{name}", audio, draft=draft)
             assert drafted == tokens, name
@@ -85,7 +80,7 @@ def test_a_decode_that_times_its_words_checks_a_draft_and_keeps_their_times(tiny
         summaries: list = []
         tokens, logprobs, steps, _ = _decode(engine, f"words-plain-{index}", speech_audio[index], summaries,
                                              sampling_params=timed)
-        for name, draft in _drafts(tokens[:-1]).items():
+        for name, draft in _drafts(tokens[:-1], engine.tokenizer.special.eot).items():
             drafted, drafted_logprobs, drafted_steps, _ = _decode(
                 engine, f"words-{index}-{name}", speech_audio[index], summaries, sampling_params=timed, draft=draft)
             assert drafted == tokens and drafted_logprobs == pytest.approx(logprobs, abs=1e-4), name
@@ -164,9 +159,11 @@ def test_requests_checking_drafts_side_by_side_through_preemptions(tiny_en_engin
     engine = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=3 * 375 + 4))
     # Every other request's draft is wrong: it grows one token a step, beside requests that
     # take blocks for many tokens at once, so the pool runs out.
-    kinds = [kind for kind in _drafts([1]) if kind != "wrong"]
+    eot = tiny_en_engine.tokenizer.special.eot
+    kinds = [kind for kind in _drafts([1], eot) if kind != "wrong"]
     for index, audio in enumerate(clips):
-        draft = _drafts(plain[index][:-1] or [1000])["wrong" if index % 2 else kinds[index // 2 % len(kinds)]]
+        kind = "wrong" if index % 2 else kinds[index // 2 % len(kinds)]
+        draft = _drafts(plain[index][:-1] or [1000], eot)[kind]
         engine.add_request(f"tight-{index}", audio, "en", sampling_params=SamplingParams.transcription(0.0),
                            draft=draft)
     tokens: dict[str, list[int]] = {}

@@ -5,6 +5,8 @@ benchmarks/draft_exactness.py checks the same with real weights and speech."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -32,16 +34,11 @@ def test_drafts_change_no_fp32_output_on_cuda(tmp_path, engine_args):
     checked = 0
     for index, audio in enumerate(_audios(6)):
         tokens, logprobs, steps, reason = _decode(engine, f"plain-{index}", audio, sampling_params=params)
-        text = []
-        for token in tokens:  # the draft is what leads the output and a draft may hold: text
-            if token >= eot:
-                break
-            text.append(token)
+        # the draft is what leads the output and a draft may hold: text tokens
+        text = list(itertools.takewhile(lambda token: token < eot, tokens))
         if len(text) < 8:
             continue
-        for name, draft in _drafts(text).items():
-            if any(token >= eot for token in draft):
-                continue
+        for name, draft in _drafts(text, eot).items():
             drafted, drafted_logprobs, drafted_steps, drafted_reason = _decode(
                 engine, f"draft-{index}-{name}", audio, sampling_params=params, draft=draft)
             assert drafted == tokens, name
