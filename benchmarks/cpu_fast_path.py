@@ -7,13 +7,15 @@ Encoder: milliseconds per 30 s window for float32 (SDPA) with MKL's linears and 
 packed ones (the engine's float32 path), in turns; bfloat16 with torch's SDPA,
 bfloat16 with our one-head-at-a-time attention (the eager fast path), and the compiled
 encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross-attention
-over 1500 encoder positions for N decoding requests, torch's SDPA against our head-major
-matmuls (copies included), in bfloat16. Decode step: the whole decoder forward and the logits
+over 1500 encoder positions for N decoding requests in their slots, in bfloat16: torch's SDPA,
+two batched bf16 matmuls (the torch path) and the C kernel (model/cpu_cross_attention.py, where
+this CPU has AVX512-BF16 and a compiler). Decode step: the whole decoder forward and the logits
 for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16;
 --decode-dtype bfloat16 for those with it), as the engine runs it (linears through oneDNN over
 packed weights, steps unpadded) with the requests' cross slots side by side and scattered
 (every other slot: one attention call per request), and with MKL's linears and steps padded to
-16 rows as it ran before. Run in a tree
+16 rows as it ran before; in bfloat16 also with the torch path's cross-attention in place of
+the C kernel. Run in a tree
 from before cross-attention was read in place, the engine path is that tree's.
 """
 
@@ -37,7 +39,8 @@ from asrserve.config import ModelConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.request import Request, SamplingParams
 from asrserve.model import whisper
-from asrserve.model.attention import GatherBuffers, _attention_head_major
+from asrserve.model import attention, cpu_cross_attention
+from asrserve.model.attention import _attention_16bit_cpu
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
 from asrserve.model.packed_linear import pack_decoder_linears, pack_linears
@@ -95,17 +98,24 @@ def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
 
 
 def cross_attention_rows(requests: list[int], repeats: int) -> list[tuple[str, float]]:
+    """One layer's cross-attention for n requests decoding one row each over their slots
+    (head-major, 1504 positions of which 1500 are read), as the engine lays them out: torch's
+    SDPA, the torch path (two batched bf16 matmuls over whole slots, masked) and the C kernel."""
     rows = []
     generator = torch.Generator().manual_seed(0)
+    slot_tokens, cross_len = 1504, 1500
+    mask = torch.arange(slot_tokens) < cross_len
     for n in requests:
-        keys, values = torch.randn(2, n, 1500, 6, 64, generator=generator).bfloat16().unbind(0)
-        queries = torch.randn(n, 1, 6, 64, generator=generator).bfloat16()
-        buffers = GatherBuffers()
+        keys, values = torch.randn(2, n, 6, slot_tokens, 64, generator=generator).bfloat16().unbind(0)
+        queries = (torch.randn(n, 1, 6, 64, generator=generator) * 64**-0.5).bfloat16()
         sdpa = lambda: F.scaled_dot_product_attention(  # noqa: E731
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+            queries.transpose(1, 2), keys[:, :, :cross_len], values[:, :, :cross_len])
         rows.append((f"{n} requests, SDPA", per_call_ms(sdpa, repeats)))
-        ours = lambda: _attention_head_major(queries, keys, values, None, buffers)  # noqa: E731
-        rows.append((f"{n} requests, head-major matmuls", per_call_ms(ours, repeats)))
+        matmuls = lambda: _attention_16bit_cpu(queries.transpose(1, 2), keys, values, mask)  # noqa: E731
+        rows.append((f"{n} requests, bf16 matmuls (torch path)", per_call_ms(matmuls, repeats)))
+        if cpu_cross_attention.available():
+            kernel = lambda: cpu_cross_attention.cross_attention(queries, keys, values, cross_len)  # noqa: E731
+            rows.append((f"{n} requests, C kernel (engine path)", per_call_ms(kernel, repeats)))
     return rows
 
 
@@ -147,14 +157,23 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
             variants = [(f"engine path, {layout}", decoder, padding, {})]
             if spacing == 1 and packed:
                 variants.append(("MKL linears, rows padded to 16 (before)", mkl_decoder, 8, {}))
+            if dtype == torch.bfloat16 and cpu_cross_attention.available():
+                variants.append((f"engine path, {layout}, torch cross-attention", decoder, padding,
+                                 {"kernel": False}))
             if has_reference and spacing == 1:
                 variants.append(("gathered reference", decoder, padding, {"cross_in_place": False}))
             for name, decoder_variant, padding_multiple, options in variants:
+                kernel = options.pop("kernel", True)
                 builder = DecoderInputBuilder(block_size, dims.n_audio_ctx, padding_multiple, {}, cpu, **options)
 
-                def step(builder=builder, batch=batch, kv_cache=kv_cache, decoder=decoder_variant):
+                def step(builder=builder, batch=batch, kv_cache=kv_cache, decoder=decoder_variant, kernel=kernel):
                     inputs = builder.build(batch)
-                    hidden = decoder(inputs.input_ids, inputs.positions, kv_cache, inputs.metadata)
+                    uses_kernel = attention.uses_cpu_kernel
+                    attention.uses_cpu_kernel = uses_kernel if kernel else lambda query: False
+                    try:
+                        hidden = decoder(inputs.input_ids, inputs.positions, kv_cache, inputs.metadata)
+                    finally:
+                        attention.uses_cpu_kernel = uses_kernel
                     return decoder.compute_logits(hidden[inputs.logits_indices])
 
                 steps[f"{n} requests, {name}"] = step
@@ -187,12 +206,12 @@ def main() -> None:
     if args.only in (None, "cross-attention"):
         print("\ndecoder cross-attention, one layer, bfloat16: ms per step")
         for name, ms in cross_attention_rows(requests, 4 * args.repeats):
-            print(f"  {name:<44}{ms:>8.2f}")
+            print(f"  {name:<48}{ms:>8.2f}")
     if args.only in (None, "decode-step"):
         dtype = getattr(torch, args.decode_dtype)
         print(f"\ndecode step, tiny.en, {args.decode_dtype}: ms per step (decoder forward and logits)")
         for name, ms in decode_step_rows(requests, 2 * args.repeats, dtype=dtype):
-            print(f"  {name:<52}{ms:>8.2f}")
+            print(f"  {name:<68}{ms:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ and on GPU alike.
 Self-attention gathers each request's blocks into a padded batch and runs one SDPA call
 (paged_attention). Cross-attention reads each request's K/V where it lives: requests in
 neighbouring slots are one strided view of the pool and attend in one call, with no copy of
-their 1500 positions (cross_attention_in_place). cross_attention_gathered copies every slot
-into one batch first: the reference the in-place path is tested against.
+their 1500 positions (cross_attention_in_place); in bf16 on CPU a C kernel reads them
+(cpu_cross_attention.py). cross_attention_gathered copies every slot into one batch first: the
+reference the in-place path is tested against.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from asrserve.model import cpu_cross_attention
 
 
 class GatherBuffers:
@@ -247,6 +250,10 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
         num_rows = run.num_slots * run.rows_per_slot
         queries = query[row:row + num_rows].view(run.num_slots, run.rows_per_slot, num_heads, head_dim)
         row += num_rows
+        if whole_slots and run.rows_per_slot <= cpu_cross_attention.MAX_ROWS_PER_SLOT and uses_cpu_kernel(query):
+            scaled = queries * head_dim**-0.5  # rounded to bf16 as the torch path rounds it
+            outputs.append(cpu_cross_attention.cross_attention(scaled, keys, values, cross_len).view(num_rows, -1))
+            continue
         if whole_slots:
             out = _attention_16bit_cpu(queries.transpose(1, 2), keys, values, padding_mask)
         elif query.device.type == "cpu":
@@ -258,6 +265,11 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
     if metadata.cross_row_inverse is not None:
         out = out.index_select(0, metadata.cross_row_inverse)
     return out
+
+
+def uses_cpu_kernel(query: torch.Tensor) -> bool:
+    """Whether bf16 cross-attention on CPU goes through the C kernel (cpu_cross_attention.py)."""
+    return query.dtype == torch.bfloat16 and query.device.type == "cpu" and cpu_cross_attention.available()
 
 
 @functools.lru_cache(maxsize=8)

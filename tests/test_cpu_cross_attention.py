@@ -1,0 +1,102 @@
+"""The C kernel for bf16 cross-attention on CPU (asrserve/model/cpu_cross_attention.py), against
+float32 attention and against the torch path it replaces."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from asrserve.model import cpu_cross_attention
+from asrserve.model.attention import _attention_16bit_cpu
+
+needs_kernel = pytest.mark.skipif(not cpu_cross_attention.available(),
+                                  reason="needs AVX512-BF16 and a C compiler")
+
+
+def _inputs(slots: int, rows: int, heads: int, head_dim: int, slot_tokens: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    queries = (torch.randn(slots, rows, heads, head_dim, generator=generator) * head_dim**-0.5).bfloat16()
+    # Keys scaled up so that the softmax is peaked, as real attention often is.
+    keys = (3 * torch.randn(slots, heads, slot_tokens, head_dim, generator=generator)).bfloat16()
+    values = torch.randn(slots, heads, slot_tokens, head_dim, generator=generator).bfloat16()
+    return queries, keys, values
+
+
+def _float32_attention(queries, keys, values, cross_len):
+    """[slots, rows, heads, dim] -> the same, in float32 from the same bf16 inputs."""
+    scores = queries.float().transpose(1, 2) @ keys[:, :, :cross_len].float().transpose(-1, -2)
+    return (scores.softmax(-1) @ values[:, :, :cross_len].float()).transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 20], ids=["one-row", "siblings", "two-passes"])
+@pytest.mark.parametrize("head_dim", [64, 16, 80])
+def test_the_kernel_is_float32_attention_rounded_once(rows, head_dim):
+    """Every Whisper size has head_dim 64 (its unrolled path); other widths and more rows than
+    one pass holds take the general path. The result is float32 attention rounded to bf16 at
+    the end: closer to it than the torch path, which rounds the scores to bf16 first."""
+    slot_tokens, cross_len = 112, 100
+    queries, keys, values = _inputs(3, rows, 4, head_dim, slot_tokens)
+    ours = cpu_cross_attention.cross_attention(queries, keys, values, cross_len)
+    reference = _float32_attention(queries, keys, values, cross_len)
+    assert ours.shape == queries.shape and ours.dtype == torch.bfloat16
+    error = (ours.float() - reference).abs().max().item()
+    assert error <= 2 ** -7 * reference.abs().max().item()
+    mask = torch.arange(slot_tokens) < cross_len
+    torch_path = _attention_16bit_cpu(queries.transpose(1, 2), keys, values, mask).transpose(1, 2)
+    assert error < (torch_path.float() - reference).abs().max().item()
+
+
+@needs_kernel
+def test_positions_past_cross_len_are_never_read():
+    """A slot is rounded up to whole blocks; what lies past the encoder's positions (stale data,
+    NaN) must not reach the output."""
+    queries, keys, values = _inputs(2, 1, 3, 64, 80)
+    clean = cpu_cross_attention.cross_attention(queries, keys, values, 70)
+    keys[:, :, 70:] = float("nan")
+    values[:, :, 70:] = float("nan")
+    assert torch.equal(cpu_cross_attention.cross_attention(queries, keys, values, 70), clean)
+
+
+@needs_kernel
+def test_a_slots_output_does_not_depend_on_its_neighbours():
+    """Batch invariance: a request decoding beside 20 others gets the bits it gets alone."""
+    queries, keys, values = _inputs(21, 2, 6, 64, 96, seed=3)
+    together = cpu_cross_attention.cross_attention(queries, keys, values, 90)
+    for slot in (0, 7, 20):
+        alone = cpu_cross_attention.cross_attention(
+            queries[slot:slot + 1].contiguous(), keys[slot:slot + 1].contiguous(), values[slot:slot + 1].contiguous(), 90
+        )
+        assert torch.equal(alone[0], together[slot])
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (or none at all) leaves the kernel unavailable with a warning; the
+    decoder then takes the torch path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_cross_attention, "_compiler", lambda: "/bin/false")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    cpu_cross_attention._kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_cross_attention.__name__):
+            assert not cpu_cross_attention.available()
+        assert "failed" in caplog.text
+        assert not list((tmp_path / "asrserve" / "kernels").glob("*.so*")), "no partial library is left behind"
+        monkeypatch.setattr(cpu_cross_attention, "_compiler", lambda: None)
+        cpu_cross_attention._kernel.cache_clear()
+        assert not cpu_cross_attention.available()
+    finally:
+        monkeypatch.undo()
+        cpu_cross_attention._kernel.cache_clear()
+
+
+def test_the_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("ASRSERVE_CPU_KERNELS", "0")
+    cpu_cross_attention._kernel.cache_clear()
+    try:
+        assert not cpu_cross_attention.available()
+    finally:
+        monkeypatch.undo()
+        cpu_cross_attention._kernel.cache_clear()
