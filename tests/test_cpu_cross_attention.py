@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from asrserve.model import cpu_cross_attention
+from asrserve.model import cpu_cross_attention, cpu_kernels
 from asrserve.model.attention import _attention_16bit_cpu
 
 needs_kernel = pytest.mark.skipif(not cpu_cross_attention.available(),
@@ -76,27 +76,27 @@ def test_a_failed_build_falls_back_to_the_torch_path(monkeypatch, tmp_path, capl
     """A compiler that fails (or none at all) leaves the kernel unavailable with a warning; the
     decoder then takes the torch path."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_cross_attention, "_compiler", lambda: "/bin/false")
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/bin/false")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    cpu_cross_attention._kernel.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_cross_attention.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert not cpu_cross_attention.available()
         assert "failed" in caplog.text
         assert not list((tmp_path / "asrserve" / "kernels").glob("*.so*")), "no partial library is left behind"
-        monkeypatch.setattr(cpu_cross_attention, "_compiler", lambda: None)
-        cpu_cross_attention._kernel.cache_clear()
+        monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+        cpu_kernels.load.cache_clear()
         assert not cpu_cross_attention.available()
     finally:
         monkeypatch.undo()
-        cpu_cross_attention._kernel.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
-def test_the_kernel_can_be_turned_off(monkeypatch):
+def test_the_kernels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("ASRSERVE_CPU_KERNELS", "0")
-    cpu_cross_attention._kernel.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
         assert not cpu_cross_attention.available()
     finally:
         monkeypatch.undo()
-        cpu_cross_attention._kernel.cache_clear()
+        cpu_kernels.load.cache_clear()

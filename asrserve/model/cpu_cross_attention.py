@@ -14,89 +14,24 @@ neighbours in the step.
 Several rows over one slot (a fallback's samples) are a small GEMM, which torch's matmuls do
 better beyond a few rows: those runs stay on the torch path (MAX_ROWS_PER_SLOT).
 
-It is built at first use (in under a second) with the machine's C compiler, the one
-torch.compile needs too, into a cache directory (cache_dir()), and loaded with ctypes; the OpenMP runtime it links is the one torch has
-already loaded. Without AVX512-BF16, without a compiler, or if the build fails, the torch path
-serves (a warning says why). ASRSERVE_CPU_KERNELS=0 turns it off.
+Built and loaded by cpu_kernels.py; where it cannot run (no AVX512-BF16, no C compiler,
+ASRSERVE_CPU_KERNELS=0) the torch path serves.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from asrserve.model import cpu_kernels
 
-SOURCE = Path(__file__).parent / "csrc" / "cross_attention_bf16.c"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS_PER_SLOT = 4  # rows decoding over one slot; more go through torch's matmuls
 
 
-def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/asrserve/kernels (~/.cache by default), or a temporary directory where that
-    cannot be written: a build takes under a second, so keeping it is a convenience only."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asrserve" / "kernels"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"asrserve-kernels-{os.getuid()}"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-@functools.cache
 def _kernel():
-    if os.environ.get("ASRSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    if not torch.cpu._is_avx512_bf16_supported():
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: bf16 cross-attention runs on the slower torch path")
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    library = cache_dir() / f"cross_attention_bf16-{key}.so"
-    try:
-        if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
-            # Built under a temporary name and renamed: processes starting together never load
-            # a half-written library.
-            handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
-            os.close(handle)
-            try:
-                subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(partial, library)
-            finally:
-                if os.path.exists(partial):
-                    os.unlink(partial)
-        function = ctypes.CDLL(str(library)).asrserve_cross_attention_bf16
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        logger.warning("building the bf16 cross-attention kernel failed, using the torch path: %s %s", error,
-                       detail.decode(errors="replace")[-500:])
-        return None
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
-    return function
+    return cpu_kernels.load("cross_attention_bf16.c", "asrserve_cross_attention_bf16",
+                            (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 6)
 
 
 def available() -> bool:

@@ -13,6 +13,7 @@ import torch
 from asrserve.config import SAMPLE_RATE
 from asrserve.engine.request import Request
 from asrserve.model.rounded_logits import ExactLogits
+from asrserve.worker import cpu_sampling
 
 SAMPLES_PER_TIMESTAMP = SAMPLE_RATE // 50  # timestamps are 0.02 s apart
 
@@ -229,11 +230,17 @@ class Sampler:
 
         if exact is not None:
             exact.refine_where_the_top_fell(logits, top)
+        sampled_rows = [i for i, r in enumerate(requests) if r.temperature > 0 and not r.needs_language]
+        if cpu_sampling.available(logits):
+            temperatures, uniforms = [0.0] * len(requests), [0.0] * len(requests)
+            for i in sampled_rows:
+                temperatures[i] = requests[i].temperature
+                uniforms[i] = torch.rand(1, generator=self._generator(requests[i])).item()
+            return SamplerOutput(*cpu_sampling.sample_rows(logits, temperatures, uniforms))
         # A chosen token's log-probability is its logit less the row's log-normaliser: one
         # reduction, where log_softmax would also write out a [rows, vocab] tensor.
         log_normalizers = batch_invariant_logsumexp(logits)
         token_ids = logits.argmax(dim=-1)
-        sampled_rows = [i for i, r in enumerate(requests) if r.temperature > 0 and not r.needs_language]
         if sampled_rows:
             rows = self._rows(sampled_rows)
             temperatures = to_device([requests[i].temperature for i in sampled_rows], torch.float32, self.device)

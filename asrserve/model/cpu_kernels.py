@@ -1,0 +1,91 @@
+"""Small C kernels for the CPU decode step (csrc/), built at first use and loaded with ctypes.
+
+Each is a plain C function over raw pointers, written with AVX512-BF16 intrinsics for the
+machines where asrserve runs bf16 on CPU. It is compiled (in under a second) with the
+machine's C compiler, the one torch.compile needs too, into a cache directory (cache_dir()),
+and its OpenMP loops run on the OpenMP runtime torch has already loaded, with torch's thread
+count. Without AVX512-BF16, without a compiler, or if a build fails, `load` returns None and
+the caller keeps its torch path (a warning says why). ASRSERVE_CPU_KERNELS=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/asrserve/kernels (~/.cache by default), or a temporary directory where that
+    cannot be written: a build takes under a second, so keeping it is a convenience only."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asrserve" / "kernels"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"asrserve-kernels-{os.getuid()}"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def enabled() -> bool:
+    return os.environ.get("ASRSERVE_CPU_KERNELS", "1") != "0" and torch.cpu._is_avx512_bf16_supported()
+
+
+@functools.cache
+def load(source_name: str, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr | None:
+    """The C function `symbol` of csrc/<source_name>, returning int (0 on success), or None where
+    it cannot run here."""
+    if not enabled():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: %s runs on its slower torch path", symbol)
+        return None
+    source = SOURCES / source_name
+    inputs = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(SOURCES.glob("*.h")))
+    key = hashlib.sha256(inputs + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    library = cache_dir() / f"{source.stem}-{key}.so"
+    try:
+        if not library.exists():
+            library.parent.mkdir(parents=True, exist_ok=True)
+            # Built under a temporary name and renamed: processes starting together never load
+            # a half-written library.
+            handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+            os.close(handle)
+            try:
+                subprocess.run([compiler, *FLAGS, f"-I{SOURCES}", "-o", partial, str(source)], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(partial, library)
+            finally:
+                if os.path.exists(partial):
+                    os.unlink(partial)
+        function = getattr(ctypes.CDLL(str(library)), symbol)
+    except (OSError, AttributeError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        logger.warning("building the C kernel %s failed, using the torch path: %s %s", symbol, error,
+                       detail.decode(errors="replace")[-500:])
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = list(argtypes)
+    return function
