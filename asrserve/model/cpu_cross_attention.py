@@ -31,7 +31,7 @@ MAX_ROWS_PER_SLOT = 4  # rows decoding over one slot; more go through torch's ma
 
 def _kernel():
     return cpu_kernels.load("cross_attention_bf16.c", "asrserve_cross_attention_bf16",
-                            (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 6)
+                            (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 6 + (ctypes.c_int,))
 
 
 def available() -> bool:
@@ -52,7 +52,7 @@ def cross_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     queries = queries.contiguous()
     out = torch.empty_like(queries)
     status = kernel(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), num_slots, rows, heads,
-                    keys.shape[2], cross_len, head_dim)
+                    keys.shape[2], cross_len, head_dim, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"bf16 cross-attention kernel failed (head_dim {head_dim}, cross_len {cross_len})")
     return out

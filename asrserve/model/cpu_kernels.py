@@ -4,7 +4,7 @@ Each is a plain C function over raw pointers, written with AVX512-BF16 intrinsic
 machines where asrserve runs bf16 on CPU. It is compiled (in under a second) with the
 machine's C compiler, the one torch.compile needs too, into a cache directory (cache_dir()),
 and its OpenMP loops run on the OpenMP runtime torch has already loaded, with torch's thread
-count. Without AVX512-BF16, without a compiler, or if a build fails, `load` returns None and
+count (passed in each call: OpenMP's own setting is per calling thread). Without AVX512-BF16, without a compiler, or if a build fails, `load` returns None and
 the caller keeps its torch path (a warning says why). ASRSERVE_CPU_KERNELS=0 turns them off.
 """
 

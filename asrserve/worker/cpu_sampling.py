@@ -26,7 +26,8 @@ from asrserve.model import cpu_kernels
 
 def _kernel():
     return cpu_kernels.load("sample_rows.c", "asrserve_sample_rows",
-                            (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64) + (ctypes.c_void_p,) * 4)
+                            (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64) + (ctypes.c_void_p,) * 4
+                            + (ctypes.c_int,))
 
 
 def available(logits: torch.Tensor) -> bool:
@@ -46,7 +47,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], uniforms: list[
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
     status = _kernel()(logits.data_ptr(), rows, vocab, logits.stride(0), temperature.data_ptr(), uniform.data_ptr(),
-                       tokens.data_ptr(), logprobs.data_ptr())
+                       tokens.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError("the sampling kernel failed")
     return tokens.tolist(), logprobs.tolist()

@@ -81,15 +81,16 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *q, cons
     }
 }
 
-/* Returns 0, or 1 when head_dim is out of range or working memory could not be had. */
+/* threads: torch's intra-op thread count. Returns 0, or 1 when head_dim is out of range or working
+ * memory could not be had. */
 int asrserve_cross_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                   int64_t num_slots, int64_t rows, int64_t heads, int64_t slot_tokens,
-                                  int64_t cross_len, int64_t head_dim) {
+                                  int64_t cross_len, int64_t head_dim, int threads) {
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || cross_len <= 0 || cross_len > slot_tokens) return 1;
     const int64_t passes = (rows + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
     const int64_t tasks = num_slots * heads * passes;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * ROWS_PER_PASS * cross_len);
         if (scores == NULL) {

@@ -84,10 +84,11 @@ static void sample_row(const float *x, int64_t vocab, float temperature, float u
     *logprob = x[chosen] - log_normaliser;
 }
 
-/* temperatures[r] == 0: greedy. Returns 0. */
+/* temperatures[r] == 0: greedy. threads: torch's intra-op thread count. Returns 0. */
 int asrserve_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                         const float *temperatures, const float *uniforms, int64_t *tokens, float *logprobs) {
-#pragma omp parallel for schedule(static)
+                         const float *temperatures, const float *uniforms, int64_t *tokens, float *logprobs,
+                         int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++)
         sample_row(logits + r * row_stride, vocab, temperatures[r], uniforms[r], tokens + r, logprobs + r);
     return 0;
