@@ -9,7 +9,8 @@ bfloat16 with our one-head-at-a-time attention (the eager fast path), and the co
 encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross-attention
 over 1500 encoder positions for N decoding requests in their slots, in bfloat16: torch's SDPA,
 two batched bf16 matmuls (the torch path) and the C kernel (model/cpu_cross_attention.py, where
-this CPU has AVX512-BF16 and a compiler). Decode step: the whole decoder forward and the logits
+this CPU has AVX512-BF16 and a compiler). Sampler: the last pass over the logits (argmax,
+log-normaliser, inverse-CDF draws) in torch and as the C kernel. Decode step: the whole decoder forward and the logits
 for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16;
 --decode-dtype bfloat16 for those with it), as the engine runs it (linears through oneDNN over
 packed weights, steps unpadded) with the requests' cross slots side by side and scattered
@@ -44,7 +45,9 @@ from asrserve.model.attention import _attention_16bit_cpu
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
 from asrserve.model.packed_linear import pack_decoder_linears, pack_linears
+from asrserve.worker import cpu_sampling
 from asrserve.worker.input_batch import DecoderInputBuilder
+from asrserve.worker.sampler import batch_invariant_logsumexp, sample_by_inverse_cdf
 
 
 def per_call_ms(fn, repeats: int) -> float:
@@ -119,6 +122,32 @@ def cross_attention_rows(requests: list[int], repeats: int) -> list[tuple[str, f
     return rows
 
 
+def sampler_rows(requests: list[int], repeats: int) -> list[tuple[str, float]]:
+    """The sampler's last pass over n rows of float32 logits [n, 51865] (after the rules): every
+    row's argmax and log-normaliser and, for the rows sampled at a temperature, an inverse-CDF
+    draw; torch (sampler.py) against the C kernel (worker/cpu_sampling.py). Greedy rows alone,
+    and every row sampled (a fallback's samples)."""
+    rows = []
+    for n in requests:
+        logits = 4 * torch.randn(n, 51865, generator=torch.Generator().manual_seed(n))
+        for label, temperature in (("greedy", 0.0), ("sampled at 0.6", 0.6)):
+            generators = [torch.Generator().manual_seed(i) for i in range(n)]
+
+            def torch_path(temperature=temperature, generators=generators):
+                normalizers = batch_invariant_logsumexp(logits)
+                tokens = logits.argmax(-1)
+                if temperature:
+                    tokens = sample_by_inverse_cdf(logits.clone(), torch.full((n,), temperature), generators)
+                return (logits.gather(1, tokens[:, None]).squeeze(1) - normalizers).tolist()
+
+            rows.append((f"{n} rows {label}, torch", per_call_ms(torch_path, repeats)))
+            if cpu_sampling.available(logits):
+                uniforms = torch.rand(n).tolist()
+                kernel = lambda t=temperature, u=uniforms: cpu_sampling.sample_rows(logits, [t] * n, u)  # noqa: E731
+                rows.append((f"{n} rows {label}, C kernel", per_call_ms(kernel, repeats)))
+    return rows
+
+
 def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
                      dtype: torch.dtype = torch.float32) -> list[tuple[str, float]]:
     """The engine's decoder forward and logits for n requests decoding their 45th token, with
@@ -189,7 +218,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="audios per encoder call")
     parser.add_argument("--requests", default="8,32", help="decoding requests for the cross-attention rows")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=("encoder", "encoder-float32", "cross-attention", "decode-step"), help="one section only")
+    parser.add_argument("--only", choices=("encoder", "encoder-float32", "cross-attention", "sampler", "decode-step"), help="one section only")
     parser.add_argument("--decode-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the decode-step section's dtype (bfloat16: the default on CPUs with native bf16)")
     args = parser.parse_args()
@@ -206,6 +235,10 @@ def main() -> None:
     if args.only in (None, "cross-attention"):
         print("\ndecoder cross-attention, one layer, bfloat16: ms per step")
         for name, ms in cross_attention_rows(requests, 4 * args.repeats):
+            print(f"  {name:<48}{ms:>8.2f}")
+    if args.only in (None, "sampler"):
+        print("\nsampler's last pass, float32 logits [rows, 51865]: ms per step")
+        for name, ms in sampler_rows(requests, 4 * args.repeats):
             print(f"  {name:<48}{ms:>8.2f}")
     if args.only in (None, "decode-step"):
         dtype = getattr(torch, args.decode_dtype)

@@ -61,6 +61,18 @@ def test_positions_past_cross_len_are_never_read():
 
 
 @needs_kernel
+def test_a_rows_output_does_not_depend_on_how_many_rows_share_its_slot():
+    """A fallback sample gets the same bits whether 0, 2 or 24 of its siblings decode over the
+    slot with it (rows beyond 16 take a second pass)."""
+    queries, keys, values = _inputs(1, 25, 6, 64, 96, seed=7)
+    alone = cpu_cross_attention.cross_attention(queries[:, :1].contiguous(), keys, values, 90)
+    for rows in (3, 25):
+        together = cpu_cross_attention.cross_attention(queries[:, :rows].contiguous(), keys, values, 90)
+        assert torch.equal(together[:, :1], alone)
+    last = cpu_cross_attention.cross_attention(queries[:, 24:].contiguous(), keys, values, 90)
+    assert torch.equal(together[:, 24:], last)
+
+
 def test_a_slots_output_does_not_depend_on_its_neighbours():
     """Batch invariance: a request decoding beside 20 others gets the bits it gets alone."""
     queries, keys, values = _inputs(21, 2, 6, 64, 96, seed=3)

@@ -250,7 +250,7 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
         num_rows = run.num_slots * run.rows_per_slot
         queries = query[row:row + num_rows].view(run.num_slots, run.rows_per_slot, num_heads, head_dim)
         row += num_rows
-        if whole_slots and run.rows_per_slot <= cpu_cross_attention.MAX_ROWS_PER_SLOT and uses_cpu_kernel(query):
+        if whole_slots and uses_cpu_kernel(query):
             scaled = queries * head_dim**-0.5  # rounded to bf16 as the torch path rounds it
             outputs.append(cpu_cross_attention.cross_attention(scaled, keys, values, cross_len).view(num_rows, -1))
             continue

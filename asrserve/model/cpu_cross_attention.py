@@ -11,8 +11,10 @@ layer in ~2.0 ms against ~3.5, 8 requests in 0.23 against 1.0, one in 0.04 again
 (request, head) is computed on its own, so a request's output does not depend on its
 neighbours in the step.
 
-Several rows over one slot (a fallback's samples) are a small GEMM, which torch's matmuls do
-better beyond a few rows: those runs stay on the torch path (MAX_ROWS_PER_SLOT).
+Several rows over one slot (a request and its fallback samples) share one read of it, up to 16
+rows at a time. Every row is computed the same way whatever the number of rows and slots in
+the call (~the speed of torch's matmuls at 25 rows; they computed a row alike at any count too),
+so a sample's output does not depend on how many of its siblings are decoding.
 
 Built and loaded by cpu_kernels.py; where it cannot run (no AVX512-BF16, no C compiler,
 ASRSERVE_CPU_KERNELS=0) the torch path serves.
@@ -25,8 +27,6 @@ import ctypes
 import torch
 
 from asrserve.model import cpu_kernels
-
-MAX_ROWS_PER_SLOT = 4  # rows decoding over one slot; more go through torch's matmuls
 
 
 def _kernel():
