@@ -14,12 +14,12 @@ from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler_output import SchedulerOutput
-from asrserve.model import decode_attention
+from asrserve.model import cpu_cross_attention, decode_attention
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pack_linears
 from asrserve.model.rounded_logits import ExactLogits
-from asrserve.worker import draft_rows
+from asrserve.worker import cpu_sampling, draft_rows
 from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
@@ -89,6 +89,10 @@ class ModelRunner:
         self.linears_packed = device.type == "cpu" and dtype in PACKED_DTYPES and pack_decoder_linears(self.model)
         padding = 0 if self.linears_packed else config.batch_invariant_padding
         self.encode = compiled_encoder(self.model.encoder, self.dims.n_mels, device, dtype, config.model.compile)
+        if device.type == "cpu":
+            # The decode step's C kernels are built (or found built) now, not in the first request.
+            cpu_cross_attention.available()
+            cpu_sampling.available(torch.empty(0, dtype=torch.float32))
         if self.linears_packed and self.encode is self.model.encoder:
             pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
         self.sampler = Sampler(
