@@ -50,6 +50,19 @@ def test_the_kernel_is_float32_attention_rounded_once(rows, head_dim):
 
 
 @needs_kernel
+def test_scores_all_far_below_zero_still_give_a_softmax():
+    """The softmax is taken relative to the row's largest score, whatever its sign: here every
+    score is near -1000 (e^-1000 is 0 in float32) and 70 is not a multiple of 16."""
+    queries, keys, values = _inputs(1, 2, 2, 64, 80)
+    queries = torch.full_like(queries, -4.0)
+    keys = (4 + 0.05 * keys.float()).bfloat16()
+    ours = cpu_cross_attention.cross_attention(queries, keys, values, 70)
+    reference = _float32_attention(queries, keys, values, 70)
+    assert torch.isfinite(ours).all()
+    assert (ours.float() - reference).abs().max().item() <= 2 ** -7 * reference.abs().max().item()
+
+
+@needs_kernel
 def test_positions_past_cross_len_are_never_read():
     """A slot is rounded up to whole blocks; what lies past the encoder's positions (stale data,
     NaN) must not reach the output."""

@@ -25,7 +25,7 @@
 static float softmax_weights(float *scores, int64_t length) {
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < length; t += 16)
-        best = _mm512_max_ps(best, _mm512_maskz_loadu_ps(mask16(length - t), scores + t));
+        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(best, mask16(length - t), scores + t));
     __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
