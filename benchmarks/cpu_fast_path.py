@@ -141,7 +141,7 @@ def sampler_rows(requests: list[int], repeats: int) -> list[tuple[str, float]]:
                 return (logits.gather(1, tokens[:, None]).squeeze(1) - normalizers).tolist()
 
             rows.append((f"{n} rows {label}, torch", per_call_ms(torch_path, repeats)))
-            if cpu_sampling.available(logits):
+            if cpu_sampling.available():
                 uniforms = torch.rand(n).tolist()
                 kernel = lambda t=temperature, u=uniforms: cpu_sampling.sample_rows(logits, [t] * n, u)  # noqa: E731
                 rows.append((f"{n} rows {label}, C kernel", per_call_ms(kernel, repeats)))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +42,7 @@ from asrserve.audio.vad import speech_regions
 from asrserve.benchmark.wer import corpus_wer, english_normalizer
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
 from asrserve.entrypoints.live_decode import DecodeCollector, WordBoundaries, final_params, interim_params
-from benchmarks.workloads import HARVARD, SHARED_AUDIO
+from benchmarks.workloads import HARVARD, SHARED_AUDIO, speak
 
 MIN_INTERIM_S = 0.5  # the session's first interim decode waits for this much audio
 
@@ -62,7 +61,7 @@ def utterances(directory: Path, espeak_count: int, multilingual: bool) -> list[t
     for index in range(espeak_count):
         text = " ".join(HARVARD[(4 * index + k) % len(HARVARD)] for k in range(4))
         path = directory / f"espeak{index}.wav"
-        subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(path), text], check=True, capture_output=True)
+        speak(text, path)
         out.append((path.name, load_audio(path)[:N_SAMPLES], text, "en"))
     return out
 

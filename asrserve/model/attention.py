@@ -241,6 +241,9 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
     # matmul copied all of every slot's K and V first, in every layer and step (tiny.en bf16,
     # 8 requests: 4.1 against 0.5 ms a layer on 2 cores).
     whole_slots = query.device.type == "cpu" and query.dtype != torch.float32
+    use_kernel = whole_slots and uses_cpu_kernel(query)
+    if use_kernel:  # the kernel takes queries scaled, rounded to bf16 as the torch path rounds them
+        query = query * head_dim**-0.5
     read_len = slot_tokens if whole_slots else cross_len
     padding_mask = _slot_positions_read(slot_tokens, cross_len) if whole_slots else None
     outputs, row = [], 0
@@ -250,9 +253,8 @@ def cross_attention_in_place(query: torch.Tensor, layer_cache: torch.Tensor, met
         num_rows = run.num_slots * run.rows_per_slot
         queries = query[row:row + num_rows].view(run.num_slots, run.rows_per_slot, num_heads, head_dim)
         row += num_rows
-        if whole_slots and uses_cpu_kernel(query):
-            scaled = queries * head_dim**-0.5  # rounded to bf16 as the torch path rounds it
-            outputs.append(cpu_cross_attention.cross_attention(scaled, keys, values, cross_len).view(num_rows, -1))
+        if use_kernel:
+            outputs.append(cpu_cross_attention.cross_attention(queries, keys, values, cross_len).view(num_rows, -1))
             continue
         if whole_slots:
             out = _attention_16bit_cpu(queries.transpose(1, 2), keys, values, padding_mask)

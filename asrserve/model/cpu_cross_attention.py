@@ -49,7 +49,6 @@ def cross_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     assert keys.shape == values.shape and keys.shape[:2] == (num_slots, heads) and keys.shape[3] == head_dim
     for tensor in (queries, keys, values):
         assert tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu" and tensor.is_contiguous()
-    queries = queries.contiguous()
     out = torch.empty_like(queries)
     status = kernel(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), num_slots, rows, heads,
                     keys.shape[2], cross_len, head_dim, torch.get_num_threads())

@@ -30,8 +30,8 @@ def _kernel():
                             + (ctypes.c_int,))
 
 
-def available(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and _kernel() is not None
+def available() -> bool:
+    return _kernel() is not None
 
 
 def sample_rows(logits: torch.Tensor, temperatures: list[float], uniforms: list[float]) -> tuple[list[int], list[float]]:
@@ -39,7 +39,8 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], uniforms: list[
     greedy) and a uniform number in [0, 1) (read only above 0) -> (token ids, log-probabilities
     of those tokens under softmax(logits))."""
     rows, vocab = logits.shape
-    assert len(temperatures) == len(uniforms) == rows and logits.dtype == torch.float32
+    assert len(temperatures) == len(uniforms) == rows
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu", (logits.dtype, logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     temperature = torch.tensor(temperatures, dtype=torch.float32)

@@ -92,7 +92,7 @@ class ModelRunner:
         if device.type == "cpu":
             # The decode step's C kernels are built (or found built) now, not in the first request.
             cpu_cross_attention.available()
-            cpu_sampling.available(torch.empty(0, dtype=torch.float32))
+            cpu_sampling.available()
         if self.linears_packed and self.encode is self.model.encoder:
             pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
         self.sampler = Sampler(

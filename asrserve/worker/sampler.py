@@ -231,7 +231,7 @@ class Sampler:
         if exact is not None:
             exact.refine_where_the_top_fell(logits, top)
         sampled_rows = [i for i, r in enumerate(requests) if r.temperature > 0 and not r.needs_language]
-        if cpu_sampling.available(logits):
+        if logits.device.type == "cpu" and cpu_sampling.available():
             temperatures, uniforms = [0.0] * len(requests), [0.0] * len(requests)
             for i in sampled_rows:
                 temperatures[i] = requests[i].temperature

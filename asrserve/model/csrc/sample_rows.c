@@ -14,6 +14,22 @@
 
 #include "vector_math.h"
 
+/* Logits t .. t+15 of a row of `vocab` (past its end: -inf, which weighs 0). */
+static inline __m512 load_logits(const float *x, int64_t t, int64_t vocab) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(vocab - t), x + t);
+}
+
+/* e^((x - top) * scale) of logits t .. t+15. */
+static inline __m512 weights_of(const float *x, int64_t t, int64_t vocab, __m512 top, __m512 scale) {
+    return exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(load_logits(x, t, vocab), top), scale));
+}
+
+/* The index of the last of the 16 weights (of tokens t .. t+15) above 0, or -1. */
+static inline int64_t last_with_weight(__m512 weights, int64_t t) {
+    __mmask16 positive = _mm512_cmp_ps_mask(weights, _mm512_setzero_ps(), _CMP_GT_OQ);
+    return positive ? t + 31 - __builtin_clz((unsigned)positive) : -1;
+}
+
 static void sample_row(const float *x, int64_t vocab, float temperature, float uniform, int64_t *token,
                        float *logprob) {
     /* The maximum and its first index: lanes keep their first maximum (strict >), then the
@@ -23,7 +39,7 @@ static void sample_row(const float *x, int64_t vocab, float temperature, float u
     __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
     for (int64_t t = 0; t < vocab; t += 16) {
-        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(vocab - t), x + t);
+        __m512 v = load_logits(x, t, vocab);
         __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
         best = _mm512_mask_mov_ps(best, greater, v);
         best_index = _mm512_mask_mov_epi32(best_index, greater, index);
@@ -37,11 +53,9 @@ static void sample_row(const float *x, int64_t vocab, float temperature, float u
         *logprob = -INFINITY;
         return;
     }
-    const __m512 top_v = _mm512_set1_ps(top);
+    const __m512 top_v = _mm512_set1_ps(top), one = _mm512_set1_ps(1.0f);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < vocab; t += 16)
-        sum = _mm512_add_ps(sum, exp_nonpositive(_mm512_sub_ps(
-            _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(vocab - t), x + t), top_v)));
+    for (int64_t t = 0; t < vocab; t += 16) sum = _mm512_add_ps(sum, weights_of(x, t, vocab, top_v, one));
     const float log_normaliser = top + logf(_mm512_reduce_add_ps(sum));
     if (temperature > 0) {
         /* The running sum and the total add the same 16-token block sums in the same order, in
@@ -49,36 +63,30 @@ static void sample_row(const float *x, int64_t vocab, float temperature, float u
          * cumulative sum puts it up to the rounding of the weights themselves. */
         const __m512 inverse_t = _mm512_set1_ps(1.0f / temperature);
         double total = 0.0;
-        for (int64_t t = 0; t < vocab; t += 16) {
-            __m512 centred = _mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(vocab - t), x + t), top_v);
-            total += _mm512_reduce_add_ps(exp_nonpositive(_mm512_mul_ps(centred, inverse_t)));
-        }
+        for (int64_t t = 0; t < vocab; t += 16) total += _mm512_reduce_add_ps(weights_of(x, t, vocab, top_v, inverse_t));
         const double target = (double)uniform * total;
         double running = 0.0;
-        int64_t last_possible = -1, found = -1;
+        int64_t found = -1;
         for (int64_t t = 0; t < vocab && found < 0; t += 16) {
-            __m512 centred = _mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(vocab - t), x + t), top_v);
-            float weights[16];
-            __m512 w = exp_nonpositive(_mm512_mul_ps(centred, inverse_t));
-            _mm512_storeu_ps(weights, w);
+            const __m512 w = weights_of(x, t, vocab, top_v, inverse_t);
             const float block = _mm512_reduce_add_ps(w);
-            int64_t block_last = -1;
-            for (int j = 15; j >= 0; j--)
-                if (weights[j] > 0) { block_last = t + j; break; }
-            if (block_last >= 0) last_possible = block_last;
             if (running + block <= target) { /* not in this block */
                 running += block;
                 continue;
             }
+            float weights[16];
+            _mm512_storeu_ps(weights, w);
             double within = running;
             for (int j = 0; j < 16 && found < 0; j++) {
                 within += weights[j];
                 if (within > target && weights[j] > 0) found = t + j;
             }
-            if (found < 0) found = block_last; /* the block holds the point; its sum rounded otherwise */
+            if (found < 0) found = last_with_weight(w, t); /* the block holds the point; its sum rounded otherwise */
         }
         /* A draw at the very top can round to the total: the last token with weight. */
-        chosen = found >= 0 ? found : last_possible;
+        for (int64_t t = (vocab - 1) / 16 * 16; found < 0 && t >= 0; t -= 16)
+            found = last_with_weight(weights_of(x, t, vocab, top_v, inverse_t), t);
+        chosen = found;
     }
     *token = chosen;
     *logprob = x[chosen] - log_normaliser;
