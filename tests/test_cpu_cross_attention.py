@@ -86,6 +86,7 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_share_its_slot():
     assert torch.equal(together[:, 24:], last)
 
 
+@needs_kernel
 def test_a_slots_output_does_not_depend_on_its_neighbours():
     """Batch invariance: a request decoding beside 20 others gets the bits it gets alone."""
     queries, keys, values = _inputs(21, 2, 6, 64, 96, seed=3)

@@ -132,6 +132,11 @@ class AttentionMetadata:
     decode_kernels: bool = False
     context_lens: torch.Tensor | None = None  # [num_seqs] tokens each sequence attends over
     cross_slot_ids: torch.Tensor | None = None  # [num_seqs] cross_slots on the device
+    # CPU bf16: self-attention through cpu_self_attention's kernel, which reads the pool in place
+    # by self_block_tables and these (self_attn_mask is then None): [num_tokens] each token's
+    # sequence, and how many of its keys it sees.
+    token_seqs: torch.Tensor | None = None
+    token_keys: torch.Tensor | None = None
 
 
 def write_kv(

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model import decode_attention
+from asrserve.model import cpu_self_attention, decode_attention
 from asrserve.model.attention import (
     AttentionMetadata,
     alignment_scores,
@@ -145,6 +145,9 @@ class DecoderSelfAttention(nn.Module):
         write_kv(layer_cache, k, v, metadata.slot_mapping)
         if metadata.decode_kernels:
             out = decode_attention.self_attention(q, layer_cache, metadata.self_block_tables, metadata.context_lens)
+        elif metadata.token_keys is not None:
+            out = cpu_self_attention.self_attention(q, layer_cache, metadata.self_block_tables, metadata.token_seqs,
+                                                    metadata.token_keys)
         else:
             out = paged_attention(
                 q, layer_cache, metadata.self_block_tables, metadata, attn_mask=metadata.self_attn_mask

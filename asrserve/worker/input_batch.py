@@ -39,16 +39,18 @@ class DecoderInputBuilder:
     """Builds DecoderInputs on `device`. Holds what every step shares: the pool's block size,
     the cross-attention length, the alignment heads and the reused K/V gather buffers.
     cross_in_place=False runs cross-attention on the gather path (the reference);
-    decode_kernels=True runs pure decode steps through decode_attention's kernels (CUDA)."""
+    decode_kernels=True runs pure decode steps through decode_attention's kernels (CUDA);
+    cpu_self_kernel=True runs self-attention through the bf16 CPU kernel (cpu_self_attention.py)."""
 
     def __init__(self, block_size: int, cross_len: int, padding_multiple: int,
                  alignment_heads: dict[int, torch.Tensor], device: torch.device, cross_in_place: bool = True,
-                 decode_kernels: bool = False):
+                 decode_kernels: bool = False, cpu_self_kernel: bool = False):
         self.block_size = block_size
         self.cross_len = cross_len
         self.cross_slot_tokens = math.ceil(cross_len / block_size) * block_size  # a slot's positions
         self.cross_in_place = cross_in_place
         self.decode_kernels = decode_kernels
+        self.cpu_self_kernel = cpu_self_kernel
         self.padding_multiple = padding_multiple
         self.alignment_heads = alignment_heads
         self.device = device
@@ -98,7 +100,7 @@ class DecoderInputBuilder:
             max_query_len=max_query_len,
             slot_mapping=self._tensor(slot_mapping),
             self_block_tables=self._tensor(self_tables),
-            self_attn_mask=None if decode_kernels else build_self_attn_mask(
+            self_attn_mask=None if decode_kernels or self.cpu_self_kernel else build_self_attn_mask(
                 context_lens_t, self._tensor(np.asarray(query_lens)), max_query_len, max_self_blocks * self.block_size
             ),
             cross_slots=cross_slots,
@@ -110,6 +112,9 @@ class DecoderInputBuilder:
             context_lens=context_lens_t if decode_kernels else None,
             cross_slot_ids=self._tensor(np.asarray(cross_slots)) if decode_kernels else None,
         )
+        if self.cpu_self_kernel:
+            metadata.token_seqs = self._tensor(seq_of_token)
+            metadata.token_keys = self._tensor(flat_positions + 1)  # causal: itself and every key before
         if self.cross_in_place and not decode_kernels:
             self._plan_cross_runs(metadata, query_lens)
         padded_tokens = self._padded_size(num_tokens)

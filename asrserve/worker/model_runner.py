@@ -14,7 +14,7 @@ from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler_output import SchedulerOutput
-from asrserve.model import cpu_cross_attention, decode_attention
+from asrserve.model import cpu_cross_attention, cpu_self_attention, decode_attention
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pack_linears
@@ -92,6 +92,7 @@ class ModelRunner:
         if device.type == "cpu":
             # The decode step's C kernels are built (or found built) now, not in the first request.
             cpu_cross_attention.available()
+            cpu_self_attention.available()
             cpu_sampling.available()
         if self.linears_packed and self.encode is self.model.encoder:
             pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
@@ -117,6 +118,7 @@ class ModelRunner:
             self.block_size, self.dims.n_audio_ctx, padding,
             alignment_heads_by_layer(loaded.generation.alignment_heads, self.dims, device), device,
             decode_kernels=decode_kernels,
+            cpu_self_kernel=device.type == "cpu" and dtype == torch.bfloat16 and cpu_self_attention.available(),
         )
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = self._num_kv_blocks(config)

@@ -21,22 +21,6 @@
 #define ROWS_PER_PASS 16
 #define MAX_HEAD_DIM 256
 
-/* Scores -> unnormalised weights e^(s - max) in place; returns 1 / their sum. */
-static float softmax_weights(float *scores, int64_t length) {
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < length; t += 16)
-        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(best, mask16(length - t), scores + t));
-    __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; t += 16) {
-        __mmask16 m = mask16(length - t);
-        __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top)));
-        _mm512_mask_storeu_ps(scores + t, m, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return 1.0f / _mm512_reduce_add_ps(sum);
-}
-
 /* Inlined into each call site below, so that a constant head_dim (64: every Whisper size) and a
  * single row unroll its loops and keep the sums in registers. */
 static inline __attribute__((always_inline)) void attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *scores,

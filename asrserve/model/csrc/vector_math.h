@@ -3,6 +3,7 @@
 #define ASRSERVE_VECTOR_MATH_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline __mmask32 mask32(int64_t remaining) {
@@ -34,6 +35,22 @@ static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* Scores -> unnormalised weights e^(s - max) in place; returns 1 / their sum. */
+static inline float softmax_weights(float *scores, int64_t length) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < length; t += 16)
+        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(best, mask16(length - t), scores + t));
+    __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+        __mmask16 m = mask16(length - t);
+        __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top)));
+        _mm512_mask_storeu_ps(scores + t, m, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
 #endif
