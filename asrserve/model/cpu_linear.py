@@ -1,0 +1,90 @@
+"""The decoder's linear layers on CPU in bfloat16 for a step's few rows, as a small C kernel
+(csrc/).
+
+A decode step multiplies a handful of rows (one per decoding sequence) by each decoder weight:
+memory-bound work, ideally one read of the weights. oneDNN's packed product
+(packed_linear.py) has a fixed cost of ~20-30 us a call on 2 AVX512-BF16 cores, more than
+reading a 384 x 384 weight takes, and tiny.en's step makes 24 such calls: at one request the
+decoder's linears were ~28% of the step. The kernel streams each weight once for all the rows
+(tiles of up to 6 rows by 64 outputs whose sums stay in registers), with float32 sums and one
+rounding to bf16, as oneDNN's.
+
+Every output is its row's products added in input order in one vector lane, whatever tile it
+falls in, so a row's result does not depend on how many rows the step has (batch invariance,
+without padding). A weight is packed once at start-up into pairs of inputs per 16 outputs
+(pack), the layout the VDPBF16PS instruction reads.
+
+Built and loaded by cpu_kernels.py; where it cannot run (no AVX512-BF16, no C compiler,
+ASRSERVE_CPU_KERNELS=0) the oneDNN path serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from asrserve.model import cpu_kernels
+
+
+def _kernel():
+    return cpu_kernels.load("linear_bf16.c", "asrserve_linear_bf16",
+                            (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight [out, in]: bf16 on CPU, an even input width and a
+    multiple of 16 outputs (every Whisper decoder linear)."""
+    out_features, in_features = weight.shape
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and in_features % 2 == 0
+            and out_features % 16 == 0 and available())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, in / 2, 16, 2]: for each block of 16 outputs, each pair of inputs'
+    weights side by side."""
+    out_features, in_features = weight.shape
+    blocks = weight.detach().reshape(out_features // 16, 16, in_features // 2, 2)
+    return blocks.permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] bf16 @ the packed weight's transpose, plus bias (float32 or None) -> [..., out] bf16."""
+    kernel = _kernel()
+    assert kernel is not None, "the kernel is not available here (see available())"
+    num_blocks, pairs = packed.shape[:2]
+    in_features, out_features = 2 * pairs, 16 * num_blocks
+    assert x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] == in_features, x.shape
+    rows = x.reshape(-1, in_features).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+    status = kernel(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                    rows.shape[0], in_features, out_features, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"bf16 linear kernel refused a {out_features}x{in_features} product")
+    return out.view(*x.shape[:-1], out_features)
+
+
+class KernelLinear(nn.Module):
+    """nn.Linear's forward through the kernel, over a weight packed for it (bias kept in float32)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        assert takes(linear.weight), linear
+        self.packed = pack(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for the C kernel"
+
+    def _apply(self, fn, recurse=True):
+        raise RuntimeError("a model packed for the C kernel cannot be moved or cast; do it before packing")

@@ -1,0 +1,87 @@
+"""The C kernel for the decoder's bf16 linears on CPU (asrserve/model/cpu_linear.py), against
+float32 products and oneDNN's packed path, and in the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asrserve.model import cpu_linear
+from asrserve.model.packed_linear import pack_decoder_linears, pack_weight, packed_linear
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="needs AVX512-BF16 and a C compiler")
+
+
+def _weights(out_features: int, in_features: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    return weight, bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(384, 384), (1152, 384), (1536, 384), (384, 1536), (48, 10)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 200])
+def test_the_product_is_float32_sums_rounded_once(shape, rows):
+    """Tiles of 1-6 rows and 1-4 blocks of 16 outputs (48 outputs: a tile of three), against the
+    float32 product of the same bf16 inputs: one rounding to bf16 off, as oneDNN's."""
+    weight, bias = _weights(*shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    ours = cpu_linear.linear(x, cpu_linear.pack(weight), bias.float())
+    reference = x.float() @ weight.float().T + bias.float()
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, shape[0])
+    torch.testing.assert_close(ours.float(), reference, rtol=2 ** -8, atol=1e-6)
+    packed = pack_weight(weight)
+    if packed is not None:  # about as far from the float32 product as oneDNN's own
+        theirs = packed_linear(x, packed, bias).float()
+        assert (ours.float() - reference).abs().max() <= 1.01 * (theirs - reference).abs().max() + 1e-6
+
+
+@needs_kernel
+def test_rows_have_the_same_bits_at_every_row_count():
+    """Batch invariance without padding: a row alone, in a short step, or anywhere in a 300-row
+    prompt gets the same bits (every tile shape in between)."""
+    weight, bias = _weights(1152, 384)
+    packed, bias = cpu_linear.pack(weight), bias.float()
+    x = torch.randn(300, 384, generator=torch.Generator().manual_seed(3)).bfloat16()
+    full = cpu_linear.linear(x, packed, bias)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 33, 64):
+        assert torch.equal(cpu_linear.linear(x[:rows], packed, bias), full[:rows])
+    for row in (7, 150, 299):
+        assert torch.equal(cpu_linear.linear(x[row:row + 1], packed, bias)[0], full[row])
+    assert torch.equal(cpu_linear.linear(x.view(3, 100, 384), packed, bias).view(300, -1), full)
+
+
+@needs_kernel
+def test_shapes_it_cannot_take_are_left_to_onednn():
+    assert cpu_linear.takes(torch.zeros(384, 384, dtype=torch.bfloat16))
+    assert not cpu_linear.takes(torch.zeros(384, 384))  # float32
+    assert not cpu_linear.takes(torch.zeros(40, 384, dtype=torch.bfloat16))  # not a multiple of 16 outputs
+    assert not cpu_linear.takes(torch.zeros(384, 383, dtype=torch.bfloat16))  # odd inputs
+
+
+@needs_kernel
+def test_the_bf16_decoder_runs_its_linears_through_the_kernel():
+    """pack_decoder_linears puts every decoder linear on the kernel in bf16 (the output
+    projection stays on oneDNN, rounded and refined), and the decoder computes what it did."""
+    from asrserve.model.whisper import Whisper, WhisperDims
+
+    dims = WhisperDims(n_mels=80, n_audio_ctx=100, n_audio_state=64, n_audio_head=4, n_audio_layer=1,
+                       n_vocab=300, n_text_ctx=64, n_text_state=128, n_text_head=2, n_text_layer=2)
+    model = Whisper(dims)
+    model.init_random_weights(seed=3)
+    model = model.to(torch.bfloat16).eval()
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.inference_mode():
+        expected = model.decoder.layers[1].mlp(x).float()
+    if not pack_decoder_linears(model):
+        pytest.skip("this CPU's oneDNN cannot pack the output projection")
+    linears = [m for m in model.decoder.modules() if isinstance(m, (nn.Linear, cpu_linear.KernelLinear))]
+    assert linears and all(isinstance(m, cpu_linear.KernelLinear) for m in linears)
+    assert model.decoder.packed_output_weight is not None
+    with torch.inference_mode():
+        got = model.decoder.layers[1].mlp(x).float()
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+    with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+        model.decoder.float()
