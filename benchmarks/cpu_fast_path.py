@@ -12,11 +12,12 @@ two batched bf16 matmuls (the torch path) and the C kernel (model/cpu_cross_atte
 this CPU has AVX512-BF16 and a compiler). Sampler: the last pass over the logits (argmax,
 log-normaliser, inverse-CDF draws) in torch and as the C kernel. Decode step: the whole decoder forward and the logits
 for N requests decoding their 45th token, in float32 (the dtype of CPUs without native bf16;
---decode-dtype bfloat16 for those with it), as the engine runs it (linears through oneDNN over
-packed weights, steps unpadded) with the requests' cross slots side by side and scattered
+--decode-dtype bfloat16 for those with it), as the engine runs it (float32: linears through
+oneDNN over packed weights; bf16 where the C kernels run: linears, self- and cross-attention
+through them; steps unpadded) with the requests' cross slots side by side and scattered
 (every other slot: one attention call per request), and with MKL's linears and steps padded to
-16 rows as it ran before; in bfloat16 also with the torch path's cross-attention in place of
-the C kernel. Run in a tree
+16 rows as it ran before; in bfloat16 also with the torch path's cross-attention, its
+self-attention, or oneDNN's linears in place of each C kernel. Run in a tree
 from before cross-attention was read in place, the engine path is that tree's.
 """
 
@@ -40,7 +41,7 @@ from asrserve.config import ModelConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.request import Request, SamplingParams
 from asrserve.model import whisper
-from asrserve.model import attention, cpu_cross_attention
+from asrserve.model import attention, cpu_cross_attention, cpu_linear, cpu_self_attention
 from asrserve.model.attention import _attention_16bit_cpu
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
@@ -160,10 +161,18 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
     cpu = torch.device("cpu")
     loaded = load_model(ModelConfig(), cpu, dtype)
     decoder, dims = loaded.model.decoder, loaded.model.dims
-    # The engine's float32 CPU path packs the linears and runs steps unpadded; the MKL model
-    # with steps padded to 16 rows is how it ran before (packed_linear.py).
+    # The engine's CPU path packs the linears (bf16: for the C kernel where it runs) and runs
+    # steps unpadded; the MKL model with steps padded to 16 rows is how it ran before
+    # (packed_linear.py).
     mkl_decoder = load_model(ModelConfig(), cpu, dtype).model.decoder
     packed = pack_decoder_linears(loaded.model)
+    kernels = dtype == torch.bfloat16 and cpu_cross_attention.available()
+    onednn_decoder = None
+    if kernels and cpu_linear.available():  # the bf16 linears through oneDNN, as before the kernel
+        onednn_decoder = load_model(ModelConfig(), cpu, dtype).model.decoder
+        pack_linears(onednn_decoder)
+        onednn_decoder.packed_output_weight = decoder.packed_output_weight
+    self_kernel = kernels and cpu_self_attention.available()
     special = loaded.tokenizer.special
     prompt = [special.sot, special.no_timestamps, *range(400, 443)]
     has_reference = "cross_in_place" in inspect.signature(DecoderInputBuilder).parameters
@@ -186,9 +195,16 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
             variants = [(f"engine path, {layout}", decoder, padding, {})]
             if spacing == 1 and packed:
                 variants.append(("MKL linears, rows padded to 16 (before)", mkl_decoder, 8, {}))
-            if dtype == torch.bfloat16 and cpu_cross_attention.available():
+            if self_kernel:
+                variants[0][3]["cpu_self_kernel"] = True
+            if kernels:
                 variants.append((f"engine path, {layout}, torch cross-attention", decoder, padding,
-                                 {"kernel": False}))
+                                 {"kernel": False, "cpu_self_kernel": self_kernel}))
+            if self_kernel and spacing == 1:
+                variants.append(("engine path, torch self-attention", decoder, padding, {}))
+            if onednn_decoder is not None and spacing == 1:
+                variants.append(("engine path, oneDNN linears", onednn_decoder, padding,
+                                 {"cpu_self_kernel": self_kernel}))
             if has_reference and spacing == 1:
                 variants.append(("gathered reference", decoder, padding, {"cross_in_place": False}))
             for name, decoder_variant, padding_multiple, options in variants:
