@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from asrserve.config import N_FRAMES
+from asrserve.model import cpu_encoder_attention
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ def compiled_encoder(encoder: torch.nn.Module, n_mels: int, device: torch.device
     With mode "auto" a failed compilation logs a warning and keeps the eager encoder."""
     if not should_compile(mode, device, dtype):
         return encoder
+    if device.type == "cpu":
+        cpu_encoder_attention.available()  # the C kernel built (or not) before the graph is traced
     compiled = torch.compile(encoder, dynamic=False)
     started = time.perf_counter()
     logger.info("compiling the audio encoder (--compile %s)", mode)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model import cpu_self_attention, decode_attention
+from asrserve.model import cpu_encoder_attention, cpu_self_attention, decode_attention
 from asrserve.model.attention import (
     AttentionMetadata,
     alignment_scores,
@@ -70,6 +70,8 @@ class EncoderSelfAttention(nn.Module):
         batch, length, d_model = x.shape
         qkv = self.qkv_proj(x).view(batch, length, 3, self.num_heads, d_model // self.num_heads)
         if x.device.type == "cpu" and x.dtype != torch.float32:
+            if cpu_encoder_attention.takes(qkv):  # bf16 where the C kernel runs
+                return self.out_proj(cpu_encoder_attention.encoder_attention(qkv).view(batch, length, d_model))
             return self.out_proj(attention_by_head(qkv).view(batch, length, d_model))
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v)

@@ -14,7 +14,7 @@ from asrserve.audio.features import LogMelSpectrogram
 from asrserve.config import EngineConfig
 from asrserve.engine.request import Request
 from asrserve.engine.scheduler_output import SchedulerOutput
-from asrserve.model import cpu_cross_attention, cpu_self_attention, decode_attention
+from asrserve.model import cpu_cross_attention, cpu_encoder_attention, cpu_self_attention, decode_attention
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import LoadedModel
 from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pack_linears
@@ -93,6 +93,7 @@ class ModelRunner:
             # The decode step's C kernels are built (or found built) now, not in the first request.
             cpu_cross_attention.available()
             cpu_self_attention.available()
+            cpu_encoder_attention.available()
             cpu_sampling.available()
         if self.linears_packed and self.encode is self.model.encoder:
             pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
