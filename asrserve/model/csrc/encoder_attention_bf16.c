@@ -6,8 +6,9 @@
  * [heads][dim]. Per (audio, head), keys are packed as the right-hand matrix of the scores'
  * product and values, transposed, as that of the output's (bf16_tiles.h's layout: positions
  * padded with zeros to a multiple of 16). Then per tile of TILE_ROWS queries: their scores
- * against every key in float32 (in cache: 6 rows x 1504), the softmax in float32, the weights
- * rounded to bf16, and their product with the values, rounded to bf16 once.
+ * against every key in float32 (in cache: 6 rows x 1504), the softmax's exponentials in
+ * float32 rounded to bf16 as weights, their product with the values in float32 divided by the
+ * exponentials' float32 sum, and the output rounded to bf16 once.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -29,13 +30,49 @@ static inline __attribute__((always_inline)) void score_tile(const uint16_t *q, 
 }
 
 static inline __attribute__((always_inline)) void output_tile(const uint16_t *weights, int64_t weights_stride,
-                                                              const uint16_t *v, int64_t pairs, uint16_t *out,
-                                                              int64_t out_stride, const int rows, const int blocks) {
+                                                              const float *norms, const uint16_t *v, int64_t pairs,
+                                                              uint16_t *out, int64_t out_stride, const int rows,
+                                                              const int blocks) {
     __m512 sum[TILE_ROWS][TILE_BLOCKS];
     tile_sums(sum, weights, weights_stride, v, pairs, rows, blocks);
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < blocks; b++)
-            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * b), (__m256i)_mm512_cvtneps_pbh(sum[r][b]));
+        for (int b = 0; b < blocks; b++) {
+            __m512 normalised = _mm512_mul_ps(sum[r][b], _mm512_set1_ps(norms[r]));
+            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * b), (__m256i)_mm512_cvtneps_pbh(normalised));
+        }
+}
+
+/* e^x for x <= 0 to ~3e-6 (degree 5: the weights it gives are rounded to bf16's 8 bits). */
+static inline __m512 exp_for_weights(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-120.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 120);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One row's scores -> its unnormalised weights e^(s - max), rounded to bf16, in one pass;
+ * returns 1 / their float32 sum, which the output tile applies. */
+static float row_weights(const float *scores, uint16_t *weights, int64_t length) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < length; t += 16)
+        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(best, mask16(length - t), scores + t));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+        const __mmask16 m = mask16(length - t);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_for_weights(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top)));
+        total = _mm512_add_ps(total, e);
+        _mm256_mask_storeu_epi16(weights + t, m, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    return 1.0f / _mm512_reduce_add_ps(total);
 }
 
 /* Keys as w[position block][dim pair][16 positions][2] and values as w[dim block][position
@@ -92,21 +129,13 @@ int asrserve_encoder_attention_bf16(const uint16_t *qkv, uint16_t *out, int64_t 
                     DISPATCH_TILE(rows, blocks);
 #undef TILE
                 }
-                for (int r = 0; r < rows; r++) {
-                    float *s = scores + r * padded;
-                    const __m512 norm = _mm512_set1_ps(softmax_weights(s, length));
-                    uint16_t *w = weights + r * padded;
-                    for (int64_t t = 0; t < length; t += 16) {
-                        const __mmask16 m = mask16(length - t);
-                        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), norm);
-                        _mm256_mask_storeu_epi16(w + t, m, (__m256i)_mm512_cvtneps_pbh(p));
-                    }
-                }
+                float norms[TILE_ROWS];
+                for (int r = 0; r < rows; r++) norms[r] = row_weights(scores + r * padded, weights + r * padded, length);
                 uint16_t *o = out + (b * length + first) * out_row + h * head_dim;
                 for (int64_t block = 0; block < dim_blocks; block += TILE_BLOCKS) {
                     const int blocks = dim_blocks - block < TILE_BLOCKS ? (int)(dim_blocks - block) : TILE_BLOCKS;
                     const uint16_t *v_tile = v_packed + bh * per_head + block * padded * 16;
-#define TILE(R, B) output_tile(weights, padded, v_tile, padded / 2, o + 16 * block, out_row, R, B)
+#define TILE(R, B) output_tile(weights, padded, norms, v_tile, padded / 2, o + 16 * block, out_row, R, B)
                     DISPATCH_TILE(rows, blocks);
 #undef TILE
                 }
