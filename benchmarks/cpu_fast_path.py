@@ -45,7 +45,7 @@ from asrserve.model import attention, cpu_cross_attention, cpu_linear, cpu_self_
 from asrserve.model.attention import _attention_16bit_cpu
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
-from asrserve.model.packed_linear import pack_decoder_linears, pack_linears
+from asrserve.model.packed_linear import pack_decoder_linears, pack_linears, pack_weight
 from asrserve.worker import cpu_sampling
 from asrserve.worker.input_batch import DecoderInputBuilder
 from asrserve.worker.sampler import batch_invariant_logsumexp, sample_by_inverse_cdf
@@ -168,10 +168,10 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
     packed = pack_decoder_linears(loaded.model)
     kernels = dtype == torch.bfloat16 and cpu_cross_attention.available()
     onednn_decoder = None
-    if kernels and cpu_linear.available():  # the bf16 linears through oneDNN, as before the kernel
+    if kernels and cpu_linear.available():  # the bf16 linears and logits through oneDNN, as before
         onednn_decoder = load_model(ModelConfig(), cpu, dtype).model.decoder
         pack_linears(onednn_decoder)
-        onednn_decoder.packed_output_weight = decoder.packed_output_weight
+        onednn_decoder.packed_output_weight = pack_weight(onednn_decoder.embed_tokens.weight)
     self_kernel = kernels and cpu_self_attention.available()
     special = loaded.tokenizer.special
     prompt = [special.sot, special.no_timestamps, *range(400, 443)]

@@ -63,8 +63,8 @@ def test_shapes_it_cannot_take_are_left_to_onednn():
 
 @needs_kernel
 def test_the_bf16_decoder_runs_its_linears_through_the_kernel():
-    """pack_decoder_linears puts every decoder linear on the kernel in bf16 (the output
-    projection stays on oneDNN, rounded and refined), and the decoder computes what it did."""
+    """pack_decoder_linears puts every decoder linear and the output projection on the kernel in
+    bf16, and the decoder computes what it did."""
     from asrserve.model.whisper import Whisper, WhisperDims
 
     dims = WhisperDims(n_mels=80, n_audio_ctx=100, n_audio_state=64, n_audio_head=4, n_audio_layer=1,
@@ -79,9 +79,15 @@ def test_the_bf16_decoder_runs_its_linears_through_the_kernel():
         pytest.skip("this CPU's oneDNN cannot pack the output projection")
     linears = [m for m in model.decoder.modules() if isinstance(m, (nn.Linear, cpu_linear.KernelLinear))]
     assert linears and all(isinstance(m, cpu_linear.KernelLinear) for m in linears)
-    assert model.decoder.packed_output_weight is not None
+    assert model.decoder.output_kernel and model.decoder.logits_rounded
     with torch.inference_mode():
         got = model.decoder.layers[1].mlp(x).float()
+        logits = model.decoder.compute_logits(x)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+    # The output projection through the kernel, its 300 tokens padded to 304 and cut back:
+    # float32 logits rounded to bf16, as oneDNN's product is (rounded_logits.py refines them).
+    exact = x.float() @ model.decoder.embed_tokens.weight.float().T
+    assert logits.shape == (9, 300) and logits.dtype == torch.float32
+    assert ((logits - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
     with pytest.raises(RuntimeError, match="cannot be moved or cast"):
         model.decoder.float()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model import cpu_encoder_attention, cpu_self_attention, decode_attention
+from asrserve.model import cpu_encoder_attention, cpu_linear, cpu_self_attention, decode_attention
 from asrserve.model.attention import (
     AttentionMetadata,
     alignment_scores,
@@ -226,6 +226,7 @@ class TextDecoder(nn.Module):
         self._fp32_output_weight: torch.Tensor | None = None  # 16-bit weights: see compute_logits
         self._mm_out_fp32 = True
         self.packed_output_weight: torch.Tensor | None = None  # CPU: see packed_linear.py
+        self.output_kernel = False  # packed_output_weight is packed for cpu_linear's kernel
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -266,6 +267,9 @@ class TextDecoder(nn.Module):
         # On CUDA cuBLAS multiplies the 16-bit operands and writes fp32 (out_dtype): the same
         # sums as over fp32 copies, without an fp32 GEMM (turbo, 256 rows on an H100: 0.86 ms
         # in fp32).
+        if self.output_kernel:  # bf16 through cpu_linear's kernel: rounded like oneDNN's product
+            logits = cpu_linear.linear(hidden, self.packed_output_weight, None)
+            return logits[:, : self.embed_tokens.weight.shape[0]].float()
         if self.packed_output_weight is not None:
             if self.logits_rounded:
                 return packed_linear(hidden, self.packed_output_weight, None).float()
