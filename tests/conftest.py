@@ -79,6 +79,18 @@ def engine_config(model: str | None = None, **overrides) -> EngineConfig:
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, **overrides)
 
 
+def decoding_request(name: str, num_computed: int, num_tokens: int, rng):
+    """A request of num_tokens random prompt tokens, num_computed of them in the pool already,
+    past its no-speech read: what a decoder step test puts in a batch by hand."""
+    from asrserve.engine.request import Request, SamplingParams
+
+    request = Request(name, np.zeros(16000, np.float32), [rng.randrange(1, 290) for _ in range(num_tokens)],
+                      SamplingParams(), 10)
+    request.num_computed_tokens = num_computed
+    request.no_speech_prob = 0.0
+    return request
+
+
 def run_to_completion(engine) -> dict[str, list[int]]:
     """Steps the engine until it is idle; the output tokens of every request by id."""
     tokens: dict[str, list[int]] = {}

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from asrserve.model import cpu_self_attention
 from asrserve.model.attention import _attention_16bit_cpu
+from tests.conftest import decoding_request
 
 needs_kernel = pytest.mark.skipif(not cpu_self_attention.available(), reason="needs AVX512-BF16 and a C compiler")
 
@@ -135,7 +135,7 @@ def test_a_decoder_step_through_the_kernel_matches_the_torch_path():
     against paged_attention's gather path, in bf16: decoding requests, one mid-prompt, siblings
     sharing prompt blocks."""
     from asrserve.engine.block_manager import BlockManager
-    from asrserve.engine.request import Request, SamplingParams
+    from asrserve.engine.request import Request
     from asrserve.model.whisper import Whisper, WhisperDims
     from asrserve.worker.input_batch import DecoderInputBuilder
 
@@ -151,11 +151,7 @@ def test_a_decoder_step_through_the_kernel_matches_the_torch_path():
     rng = random.Random(5)
 
     def new_request(name: str, num_computed: int, num_tokens: int) -> Request:
-        request = Request(name, np.zeros(16000, np.float32), [rng.randrange(1, 290) for _ in range(num_tokens)],
-                          SamplingParams(), 10)
-        request.num_computed_tokens = num_computed
-        request.no_speech_prob = 0.0
-        return request
+        return decoding_request(name, num_computed, num_tokens, rng)
 
     batch = [new_request(f"r{i}", length - 1, length) for i, length in enumerate((40, 5, 33, 17))]
     batch.append(new_request("prefill", 3, 9))  # mid-prompt: six rows

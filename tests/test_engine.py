@@ -11,7 +11,7 @@ import pytest
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from asrserve.errors import InvalidRequestError
-from tests.conftest import engine_config, run_to_completion
+from tests.conftest import decoding_request, engine_config, run_to_completion
 
 pytestmark = pytest.mark.slow
 
@@ -372,11 +372,7 @@ def test_cross_attention_in_place_matches_the_gather_path(dtype_name):
     rng = random.Random(5)
 
     def new_request(name: str, num_computed: int, num_tokens: int) -> Request:
-        request = Request(name, np.zeros(16000, np.float32), [rng.randrange(1, 290) for _ in range(num_tokens)],
-                          SamplingParams(), 10)
-        request.num_computed_tokens = num_computed
-        request.no_speech_prob = 0.0
-        return request
+        return decoding_request(name, num_computed, num_tokens, rng)
 
     requests = [new_request(f"r{i}", 12, 13) for i in range(7)]
     for request in requests:

@@ -42,22 +42,6 @@ static inline __attribute__((always_inline)) void output_tile(const uint16_t *we
         }
 }
 
-/* e^x for x <= 0 to ~3e-6 (degree 5: the weights it gives are rounded to bf16's 8 bits). */
-static inline __m512 exp_for_weights(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-120.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), f);
-    __m512 p = _mm512_set1_ps(1.0f / 120);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* One row's scores -> its unnormalised weights e^(s - max), rounded to bf16, in one pass;
  * returns 1 / their float32 sum, which the output tile applies. */
 static float row_weights(const float *scores, uint16_t *weights, int64_t length) {
@@ -68,7 +52,7 @@ static float row_weights(const float *scores, uint16_t *weights, int64_t length)
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
         const __mmask16 m = mask16(length - t);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_for_weights(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top)));
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), top)));
         total = _mm512_add_ps(total, e);
         _mm256_mask_storeu_epi16(weights + t, m, (__m256i)_mm512_cvtneps_pbh(e));
     }
