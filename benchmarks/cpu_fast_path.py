@@ -5,7 +5,8 @@
 
 Encoder: milliseconds per 30 s window for float32 (SDPA) with MKL's linears and with oneDNN's
 packed ones (the engine's float32 path), in turns; bfloat16 with torch's SDPA,
-bfloat16 with our one-head-at-a-time attention (the eager fast path), and the compiled
+bfloat16 with our one-head-at-a-time attention (the eager path without the C kernel), where
+the C kernel runs the compiled encoder without it, the eager encoder with it, and the compiled
 encoder (one audio at a time, as the engine runs it). Decoder: one layer's cross-attention
 over 1500 encoder positions for N decoding requests in their slots, in bfloat16: torch's SDPA,
 two batched bf16 matmuls (the torch path) and the C kernel (model/cpu_cross_attention.py, where
@@ -41,7 +42,7 @@ from asrserve.config import ModelConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.request import Request, SamplingParams
 from asrserve.model import whisper
-from asrserve.model import attention, cpu_cross_attention, cpu_linear, cpu_self_attention
+from asrserve.model import attention, cpu_cross_attention, cpu_encoder_attention, cpu_linear, cpu_self_attention
 from asrserve.model.attention import _attention_16bit_cpu
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
@@ -89,13 +90,23 @@ def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
     mel = torch.randn(batch, 80, 3000, generator=torch.Generator().manual_seed(0))
     bf16 = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
     mel16 = mel.bfloat16()
-    fast_path = whisper.attention_by_head
-    whisper.attention_by_head = sdpa_by_qkv
+    kernel = cpu_encoder_attention.available()
+    cpu_encoder_attention._available = False  # the torch paths first
     try:
-        rows.append(("bfloat16, SDPA", per_call_ms(lambda: bf16(mel16), repeats) / batch))
+        fast_path = whisper.attention_by_head
+        whisper.attention_by_head = sdpa_by_qkv
+        try:
+            rows.append(("bfloat16, SDPA", per_call_ms(lambda: bf16(mel16), repeats) / batch))
+        finally:
+            whisper.attention_by_head = fast_path
+        rows.append(("bfloat16, attention one head at a time", per_call_ms(lambda: bf16(mel16), repeats) / batch))
+        if kernel:
+            encode = compiled_encoder(bf16, 80, cpu, torch.bfloat16, "on")
+            rows.append(("bfloat16, compiled, torch attention", per_call_ms(lambda: encode(mel16), repeats) / batch))
     finally:
-        whisper.attention_by_head = fast_path
-    rows.append(("bfloat16, attention one head at a time", per_call_ms(lambda: bf16(mel16), repeats) / batch))
+        cpu_encoder_attention._available = kernel
+    if kernel:
+        rows.append(("bfloat16, attention as the C kernel", per_call_ms(lambda: bf16(mel16), repeats) / batch))
     encode = compiled_encoder(bf16, 80, cpu, torch.bfloat16, "on")
     rows.append(("bfloat16, compiled (the default)", per_call_ms(lambda: encode(mel16), repeats) / batch))
     return rows
