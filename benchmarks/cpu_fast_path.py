@@ -203,19 +203,18 @@ def decode_step_rows(requests: list[int], repeats: int, rounds: int = 5,
                 blocks.free(request)
             batch = admitted[::spacing]
             padding = 0 if packed else 8
-            variants = [(f"engine path, {layout}", decoder, padding, {})]
+            engine = {"cpu_self_kernel": True} if self_kernel else {}  # the runner's builder options
+            variants = [(f"engine path, {layout}", decoder, padding, dict(engine))]
             if spacing == 1 and packed:
                 variants.append(("MKL linears, rows padded to 16 (before)", mkl_decoder, 8, {}))
-            if self_kernel:
-                variants[0][3]["cpu_self_kernel"] = True
             if kernels:
                 variants.append((f"engine path, {layout}, torch cross-attention", decoder, padding,
-                                 {"kernel": False, "cpu_self_kernel": self_kernel}))
+                                 {"kernel": False, **engine}))
             if self_kernel and spacing == 1:
                 variants.append(("engine path, torch self-attention", decoder, padding, {}))
             if onednn_decoder is not None and spacing == 1:
                 variants.append(("engine path, oneDNN linears", onednn_decoder, padding,
-                                 {"cpu_self_kernel": self_kernel}))
+                                 dict(engine)))
             if has_reference and spacing == 1:
                 variants.append(("gathered reference", decoder, padding, {"cross_in_place": False}))
             for name, decoder_variant, padding_multiple, options in variants:

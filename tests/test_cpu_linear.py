@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from asrserve.model import cpu_linear
-from asrserve.model.packed_linear import pack_decoder_linears, pack_weight, packed_linear
+from asrserve.model.packed_linear import KernelLinear, pack_decoder_linears, pack_weight, packed_linear
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="needs AVX512-BF16 and a C compiler")
 
@@ -77,8 +77,8 @@ def test_the_bf16_decoder_runs_its_linears_through_the_kernel():
         expected = model.decoder.layers[1].mlp(x).float()
     if not pack_decoder_linears(model):
         pytest.skip("this CPU's oneDNN cannot pack the output projection")
-    linears = [m for m in model.decoder.modules() if isinstance(m, (nn.Linear, cpu_linear.KernelLinear))]
-    assert linears and all(isinstance(m, cpu_linear.KernelLinear) for m in linears)
+    linears = [m for m in model.decoder.modules() if isinstance(m, (nn.Linear, KernelLinear))]
+    assert linears and all(isinstance(m, KernelLinear) for m in linears)
     assert model.decoder.output_kernel and model.decoder.logits_rounded
     with torch.inference_mode():
         got = model.decoder.layers[1].mlp(x).float()

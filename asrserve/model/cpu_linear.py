@@ -14,8 +14,8 @@ falls in, so a row's result does not depend on how many rows the step has (batch
 without padding). A weight is packed once at start-up into pairs of inputs per 16 outputs
 (pack), the layout the VDPBF16PS instruction reads.
 
-Built and loaded by cpu_kernels.py; where it cannot run (no AVX512-BF16, no C compiler,
-ASRSERVE_CPU_KERNELS=0) the oneDNN path serves.
+packed_linear.KernelLinear is the module over it. Built and loaded by cpu_kernels.py; where it
+cannot run (no AVX512-BF16, no C compiler, ASRSERVE_CPU_KERNELS=0) the oneDNN path serves.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch import nn
 
 from asrserve.model import cpu_kernels
 
@@ -68,23 +67,3 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
         raise RuntimeError(f"bf16 linear kernel refused a {out_features}x{in_features} product")
     return out.view(*x.shape[:-1], out_features)
 
-
-class KernelLinear(nn.Module):
-    """nn.Linear's forward through the kernel, over a weight packed for it (bias kept in float32)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        assert takes(linear.weight), linear
-        self.packed = pack(linear.weight)
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.packed, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for the C kernel"
-
-    def _apply(self, fn, recurse=True):
-        raise RuntimeError("a model packed for the C kernel cannot be moved or cast; do it before packing")

@@ -93,7 +93,23 @@ class PackedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(), .half(), .cuda() ... would leave the packed copy behind, unchanged: cast or
         # move a model before the runner packs it, never after.
-        raise RuntimeError("a model packed for oneDNN cannot be moved or cast; do it before packing")
+        raise RuntimeError("a model with packed linears cannot be moved or cast; do it before packing")
+
+
+class KernelLinear(PackedLinear):
+    """nn.Linear's forward through cpu_linear's bf16 C kernel, over the weight packed for it
+    (bias kept in float32, as the kernel adds it)."""
+
+    def __init__(self, linear: nn.Linear):
+        assert cpu_linear.takes(linear.weight), linear
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        super().__init__(cpu_linear.pack(linear.weight), bias, linear.in_features, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for the C kernel"
 
 
 # The dtypes packed, with how far the packed product may be from F.linear's (bf16: its
@@ -213,10 +229,10 @@ def pack_decoder_linears(model: nn.Module) -> bool:
 
 
 def _use_linear_kernel(module: nn.Module) -> bool:
-    """Swaps every nn.Linear of `module` for a cpu_linear.KernelLinear if the kernel takes them all."""
+    """Swaps every nn.Linear of `module` for a KernelLinear if the kernel takes them all."""
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
     if not linears or not all(cpu_linear.takes(m.weight) for _, m in linears):
         return False
     for name, linear in linears:
-        module.set_submodule(name, cpu_linear.KernelLinear(linear))
+        module.set_submodule(name, KernelLinear(linear))
     return True
