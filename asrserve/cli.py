@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds from one decode of a growing utterance to the next (at once if a decode "
                       "takes longer); its stable words are sent as deltas while the person speaks (0: text only "
                       "once the utterance is committed)")
+    live.add_argument("--realtime-pause-ms", type=float, default=100.0,
+                      help="server VAD: a turn's final decode starts once a silence has lasted this long, before "
+                      "the turn ends (the session's silence_duration_ms), and is dropped if the person goes on")
     live.add_argument("--realtime-max-interim-decodes", type=int, default=None,
                       help="interim decodes in flight across all sessions; sessions take turns for them, so "
                       "final transcripts are not crowded out (default: one per two CPU cores)")
@@ -296,7 +299,8 @@ def _serve(args: argparse.Namespace) -> int:
             realtime_max_sessions=args.realtime_max_sessions, realtime_idle_timeout_s=args.realtime_idle_timeout_s,
             realtime_max_buffer_s=args.realtime_max_buffer_s,
             realtime_interim_interval_s=args.realtime_interim_interval_s,
-            realtime_max_interim_decodes=args.realtime_max_interim_decodes, playground=args.playground,
+            realtime_max_interim_decodes=args.realtime_max_interim_decodes, realtime_pause_ms=args.realtime_pause_ms,
+            playground=args.playground,
         )
         engine_config = EngineConfig(
             model=ModelConfig(

@@ -200,6 +200,9 @@ class ServerConfig:
     realtime_idle_timeout_s: float = 120.0
     realtime_max_buffer_s: float = 300.0
     realtime_interim_interval_s: float = 0.5
+    # Server VAD: a turn's final decode starts once a silence has lasted this long, before the
+    # turn ends (silence_duration_ms), and is dropped if the person goes on speaking.
+    realtime_pause_ms: float = 100.0
     # Interim decodes in flight across all sessions; None: one per two CPU cores.
     realtime_max_interim_decodes: int | None = None
     # The browser playground at GET /playground (static pages that call the API with the
@@ -222,5 +225,7 @@ class ServerConfig:
             raise ValueError("realtime_max_sessions must be >= 0, the realtime timeout and buffer positive")
         if self.realtime_interim_interval_s < 0:
             raise ValueError("realtime_interim_interval_s must be >= 0")
+        if self.realtime_pause_ms <= 0:
+            raise ValueError("realtime_pause_ms must be positive")
         if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0 and upload_idle_timeout_s positive")

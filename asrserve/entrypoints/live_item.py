@@ -38,7 +38,7 @@ class FinalsInFlight:
 @dataclass
 class RealtimeOptions:
     interim_interval_s: float = 0.5  # 0: no interim decodes (text only once an item is committed)
-    pause_ms: float = 200  # silence after which the final decode starts early (server VAD)
+    pause_ms: float = 100  # silence after which the final decode starts early (server VAD)
     max_buffer_s: float = 300  # longest uncommitted item
     # Interim decodes in flight across all sessions: each is a full encoder forward, so on a
     # small CPU a few sessions' interims would crowd out the final decodes that users wait

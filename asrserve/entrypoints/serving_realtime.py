@@ -43,6 +43,7 @@ class RealtimeState:
         config = state.config
         self.options = RealtimeOptions(
             interim_interval_s=config.realtime_interim_interval_s, max_buffer_s=config.realtime_max_buffer_s,
+            pause_ms=config.realtime_pause_ms,
             interim_slots=asyncio.Semaphore(config.realtime_max_interim_decodes or max(1, (os.cpu_count() or 2) // 2)),
         )
         self.num_sessions = 0
