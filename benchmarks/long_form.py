@@ -53,6 +53,12 @@ greedy (beam 1) on the same weights, with each system's own long-form defaults o
                           OpenAI's defaults otherwise (temperature fallback on, plain text);
                           S = energy (cuts at quiet points) or auto (Silero VAD).
                           --asrserve-kwargs '{"timestamps": true}' adds keyword arguments.
+  asrserve-auto-conditioned
+                          previous-text conditioning measured (asrserve has no such mode): each
+                          file's VAD pieces transcribed one after another, each with the text of
+                          the pieces before it as its prompt (its last 800 characters), reset
+                          after a piece decoded above temperature 0.5 (openai/whisper's
+                          condition_on_previous_text and prompt reset); files one at a time.
 
 Metrics per (model, set, system): pooled WER (all files' errors / all reference words), the
 worst file's WER, per-file WER, normalised word counts of reference and output, inserted words
@@ -103,7 +109,9 @@ ASRSERVE = {
     f"asrserve-{strategy}-{'seek' if seek else 'noseek'}": (strategy, seek)
     for strategy in ("energy", "auto") for seek in (True, False)
 }
-SYSTEMS = PEERS + list(ASRSERVE)
+# Issue 15's item 6, measured: pieces one after another, each conditioned on the text before.
+CONDITIONED = "asrserve-auto-conditioned"
+SYSTEMS = PEERS + list(ASRSERVE) + [CONDITIONED]
 
 ROOM_TONE = 1e-4  # the pauses between joined recordings: -80 dBFS noise, not digital zeros
 SILENCE_NOISE = 3e-3  # mostly-silence's background: about -50 dBFS white noise
@@ -432,6 +440,28 @@ def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: s
     return config, run
 
 
+def asrserve_conditioned(model: str, dtype: str):
+    from asrserve import ASR
+    from asrserve.audio.chunking import ChunkingStrategy, cut_audio
+
+    asr = ASR(model, dtype=dtype)
+    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."), "chunking_strategy": "auto",
+              "conditioned": True}
+
+    def transcribe(audio, language):
+        texts: list[str] = []
+        since = 0  # the prompt's first piece: after the last piece decoded above temperature 0.5
+        for piece in cut_audio(audio, ChunkingStrategy("server_vad")):
+            prompt = " ".join(texts[since:])[-800:] or None
+            out = asr.transcribe(piece.samples, language=language, prompt=prompt, timestamps=True)[0]
+            texts.append(out.text.strip())
+            if max((segment.temperature for segment in out.segments or []), default=0.0) > 0.5:
+                since = len(texts)
+        return " ".join(text for text in texts if text)
+
+    return config, lambda audios, languages: [transcribe(a, lang) for a, lang in zip(audios, languages)]
+
+
 def make_system(name: str, model: str, args) -> tuple[dict, object]:
     if name == "faster-whisper-int8":
         return faster_whisper(model, "int8")
@@ -443,6 +473,8 @@ def make_system(name: str, model: str, args) -> tuple[dict, object]:
         return faster_whisper(model, "int8", batched=True)
     if name == "transformers":
         return transformers_long_form(model, args.transformers_batch)
+    if name == CONDITIONED:
+        return asrserve_conditioned(model, args.asrserve_dtype)
     strategy, seek = ASRSERVE[name]
     return asrserve_runner(model, strategy, seek, json.loads(args.asrserve_kwargs), args.asrserve_dtype)
 
