@@ -46,7 +46,7 @@ from asrserve.model import attention, cpu_cross_attention, cpu_encoder_attention
 from asrserve.model.attention import _attention_16bit_cpu
 from asrserve.model.encoder_compile import compiled_encoder
 from asrserve.model.loader import load_model
-from asrserve.model.packed_linear import pack_decoder_linears, pack_linears, pack_weight
+from asrserve.model.packed_linear import pack_decoder_linears, pack_linears, pack_weight, use_linear_kernel
 from asrserve.worker import cpu_sampling
 from asrserve.worker.input_batch import DecoderInputBuilder
 from asrserve.worker.sampler import batch_invariant_logsumexp, sample_by_inverse_cdf
@@ -108,7 +108,11 @@ def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
     if kernel:
         rows.append(("bfloat16, attention as the C kernel", per_call_ms(lambda: bf16(mel16), repeats) / batch))
     encode = compiled_encoder(bf16, 80, cpu, torch.bfloat16, "on")
-    rows.append(("bfloat16, compiled (the default)", per_call_ms(lambda: encode(mel16), repeats) / batch))
+    rows.append(("bfloat16, compiled (--compile on)", per_call_ms(lambda: encode(mel16), repeats) / batch))
+    kernels = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
+    if kernel and use_linear_kernel(kernels):
+        rows.append(("bfloat16, linears with GELU and residual epilogues and attention as C kernels (the default)",
+                     per_call_ms(lambda: kernels(mel16), repeats) / batch))
     return rows
 
 

@@ -91,3 +91,83 @@ def test_the_bf16_decoder_runs_its_linears_through_the_kernel():
     assert ((logits - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
     with pytest.raises(RuntimeError, match="cannot be moved or cast"):
         model.decoder.float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 1500])
+def test_the_gelu_epilogue_is_exact_gelu_rounded_once(rows):
+    """fc1's GELU in the kernel's epilogue: float64 GELU of the float32 product, within one bf16
+    rounding where it matters (|y| >= 1e-3; below that the error stays under 1e-5), and as close
+    as torch's product followed by torch's bf16 GELU (two roundings) or closer."""
+    weight, bias = _weights(1536, 384)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ours = cpu_linear.linear(x, cpu_linear.pack(weight), bias.float(), gelu=True).float()
+    exact = torch.nn.functional.gelu((x.float() @ weight.float().T + bias.float()).double()).float()
+    theirs = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias)).float()
+    assert (ours - exact).abs().le(exact.abs() * 2.0**-8 + 1e-5).all()
+    assert (ours - exact).abs().mean() <= (theirs - exact).abs().mean()
+    # Its whole range, row by row through an identity weight: the negative tail included.
+    grid = torch.linspace(-12, 12, 16 * 1000).reshape(-1, 16).bfloat16()
+    through = cpu_linear.linear(grid, cpu_linear.pack(torch.eye(16).bfloat16()), None, gelu=True).float()
+    exact = torch.nn.functional.gelu(grid.double()).float()
+    assert (through - exact).abs().le(exact.abs() * 2.0**-8 + 1e-6).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 1500])
+def test_the_residual_epilogue_adds_before_the_one_rounding(rows):
+    """out_proj's and fc2's residual add in the epilogue: the float32 sum of product, bias and
+    residual rounded once, closer to it than torch's two roundings."""
+    weight, bias = _weights(384, 1536)
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(rows, 1536, generator=generator).bfloat16()
+    residual = torch.randn(rows, 384, generator=generator).bfloat16()
+    ours = cpu_linear.linear(x, cpu_linear.pack(weight), bias.float(), residual=residual).float()
+    exact = (x.double() @ weight.double().T + bias.double() + residual.double()).float()
+    theirs = (residual + torch.nn.functional.linear(x, weight, bias)).float()
+    # atol: float32 sums of 1536 products, where the residual cancels the product
+    torch.testing.assert_close(ours, exact, rtol=2 ** -8, atol=1e-5)
+    assert (ours - exact).abs().mean() < (theirs - exact).abs().mean()
+
+
+@needs_kernel
+def test_epilogue_rows_have_the_same_bits_at_every_row_count_and_are_checked():
+    weight, bias = _weights(384, 384)
+    packed, bias = cpu_linear.pack(weight), bias.float()
+    generator = torch.Generator().manual_seed(7)
+    x, residual = torch.randn(2, 50, 384, generator=generator).bfloat16()
+    for epilogue in ({"gelu": True}, {"residual": residual}):
+        full = cpu_linear.linear(x, packed, bias, **epilogue)
+        for rows in (1, 5, 13):
+            part = {k: (v[:rows] if k == "residual" else v) for k, v in epilogue.items()}
+            assert torch.equal(cpu_linear.linear(x[:rows], packed, bias, **part), full[:rows])
+    with pytest.raises(AssertionError):
+        cpu_linear.linear(x, packed, bias, gelu=True, residual=residual)
+    with pytest.raises(AssertionError):
+        cpu_linear.linear(x, packed, bias, residual=residual[:, :16])
+
+
+@needs_kernel
+def test_the_bf16_cpu_engine_runs_its_encoder_over_the_kernel_with_its_epilogues():
+    """The runner (bf16 on CPU, --compile auto) swaps the encoder's linears for the kernel's and
+    runs the encoder eagerly; its output is as close to float32's as the torch path's."""
+    from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from asrserve.engine.engine_core import EngineCore
+
+    engine = EngineCore(EngineConfig(ModelConfig(dtype="bfloat16"), CacheConfig(num_kv_blocks=256),
+                                     SchedulerConfig(max_num_seqs=4)))
+    runner = engine.runner
+    encoder = runner.model.encoder
+    assert runner.encode is encoder
+    linears = [m for m in encoder.modules() if isinstance(m, (nn.Linear, KernelLinear))]
+    assert len(linears) == 4 * len(encoder.layers) and all(isinstance(m, KernelLinear) for m in linears)
+    from asrserve.model.loader import load_model
+
+    cpu = torch.device("cpu")
+    reference = load_model(ModelConfig(), cpu, torch.float32).model.encoder
+    torch_path = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
+    mel = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        exact = reference(mel)
+        ours, theirs = encoder(mel.bfloat16()).float(), torch_path(mel.bfloat16()).float()
+    assert ((ours - exact).norm() / exact.norm()) <= 1.1 * ((theirs - exact).norm() / exact.norm())

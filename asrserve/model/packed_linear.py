@@ -105,8 +105,9 @@ class KernelLinear(PackedLinear):
         bias = None if linear.bias is None else linear.bias.detach().float()
         super().__init__(cpu_linear.pack(linear.weight), bias, linear.in_features, linear.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.packed, self.bias)
+    def forward(self, x: torch.Tensor, *, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x's product, then GELU or plus residual in the kernel's epilogue (whisper.linear_then)."""
+        return cpu_linear.linear(x, self.packed, self.bias, gelu=gelu, residual=residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for the C kernel"
@@ -210,7 +211,7 @@ def pack_decoder_linears(model: nn.Module) -> bool:
     product is rounded and the logits that decide are recomputed exactly (rounded_logits.py)."""
     decoder = model.decoder
     if decoder.packed_output_weight is None:
-        if _use_linear_kernel(decoder):
+        if use_linear_kernel(decoder):
             # The output projection through the kernel too, its vocabulary padded with zero
             # rows to a multiple of 16 (compute_logits drops their columns). Its product is
             # rounded to bf16 like oneDNN's (the same bits in every case measured) and
@@ -228,7 +229,7 @@ def pack_decoder_linears(model: nn.Module) -> bool:
     return True
 
 
-def _use_linear_kernel(module: nn.Module) -> bool:
+def use_linear_kernel(module: nn.Module) -> bool:
     """Swaps every nn.Linear of `module` for a KernelLinear if the kernel takes them all."""
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
     if not linears or not all(cpu_linear.takes(m.weight) for _, m in linears):

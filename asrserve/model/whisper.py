@@ -19,7 +19,7 @@ from asrserve.model.attention import (
     write_cross_kv,
     write_kv,
 )
-from asrserve.model.packed_linear import packed_linear
+from asrserve.model.packed_linear import KernelLinear, packed_linear
 from asrserve.model.rounded_logits import ExactLogits
 
 
@@ -49,14 +49,28 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10_000) -> torc
     return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
 
 
+def linear_then(layer: nn.Module, x: torch.Tensor, *, gelu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """layer(x), then GELU or plus residual: in the C kernel's epilogue where layer is a
+    KernelLinear (bf16 on CPU: one rounding, no extra pass over the output), as torch ops
+    otherwise."""
+    if isinstance(layer, KernelLinear):
+        return layer(x, gelu=gelu, residual=residual)
+    y = layer(x)
+    if gelu:
+        y = F.gelu(y)
+    return y if residual is None else residual + y
+
+
 class FeedForward(nn.Module):
     def __init__(self, d_model: int):
         super().__init__()
         self.fc1 = nn.Linear(d_model, 4 * d_model)
         self.fc2 = nn.Linear(4 * d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """fc2(gelu(fc1(x))), plus residual if given."""
+        return linear_then(self.fc2, linear_then(self.fc1, x, gelu=True), residual=residual)
 
 
 class EncoderSelfAttention(nn.Module):
@@ -66,16 +80,19 @@ class EncoderSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # k's third of the bias stays zero
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Self-attention's output projection, plus residual if given."""
         batch, length, d_model = x.shape
         qkv = self.qkv_proj(x).view(batch, length, 3, self.num_heads, d_model // self.num_heads)
         if x.device.type == "cpu" and x.dtype != torch.float32:
             if cpu_encoder_attention.takes(qkv):  # bf16 where the C kernel runs
-                return self.out_proj(cpu_encoder_attention.encoder_attention(qkv).view(batch, length, d_model))
-            return self.out_proj(attention_by_head(qkv).view(batch, length, d_model))
+                out = cpu_encoder_attention.encoder_attention(qkv)
+            else:
+                out = attention_by_head(qkv)
+            return linear_then(self.out_proj, out.view(batch, length, d_model), residual=residual)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, length, d_model))
+        return linear_then(self.out_proj, out.transpose(1, 2).reshape(batch, length, d_model), residual=residual)
 
 
 def attention_by_head(qkv: torch.Tensor) -> torch.Tensor:
@@ -109,8 +126,8 @@ class EncoderLayer(nn.Module):
         self.mlp = FeedForward(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x))
-        return x + self.mlp(self.final_layer_norm(x))
+        x = self.self_attn(self.self_attn_layer_norm(x), residual=x)
+        return self.mlp(self.final_layer_norm(x), residual=x)
 
 
 class AudioEncoder(nn.Module):
@@ -210,7 +227,7 @@ class DecoderLayer(nn.Module):
         # of the same layer pool.
         x = x + self.self_attn(self.self_attn_layer_norm(x), layer_cache, metadata)
         x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), layer_cache, metadata)
-        return x + self.mlp(self.final_layer_norm(x))
+        return self.mlp(self.final_layer_norm(x), residual=x)
 
 
 class TextDecoder(nn.Module):
