@@ -91,7 +91,7 @@ class ModelRunner:
         if self.linears_packed and dtype == torch.bfloat16 and config.model.compile != "on" and use_linear_kernel(
                 self.model.encoder):
             # bf16 on CPU with the C kernels: the encoder runs eagerly over the kernel's linears,
-            # whose epilogues take its GELUs and residual adds: 6-7% quicker than the compiled
+            # whose epilogues take its GELUs and residual adds: 6-10% quicker than the compiled
             # graph (tiny.en, 2 Zen 4 cores), which could not trace them. --compile on compiles
             # torch's linears instead.
             self.encode = self.model.encoder
