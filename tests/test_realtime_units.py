@@ -95,6 +95,7 @@ def test_the_final_decode_starts_after_the_servers_pause_setting():
     probs = [0.9, 0.9, *[0.05] * 16]  # speech in windows 0-1, silence from window 2
     for pause_ms, pause_heard_at in ((60, 3), (100, 4)):
         realtime = RealtimeState(SimpleNamespace(config=ServerConfig(realtime_pause_ms=pause_ms)))
+        realtime.shutdown()  # its VAD thread; the session below feeds its detector directly
         session = RealtimeSession("s", SessionConfig(), realtime.options, None, None, None, None, None)
         heard = [(event.kind, window) for window, prob in enumerate(probs)
                  for event in session.turns.feed(np.array([prob]), window)]
