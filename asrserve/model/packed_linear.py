@@ -106,11 +106,24 @@ class KernelLinear(PackedLinear):
         super().__init__(cpu_linear.pack(linear.weight), bias, linear.in_features, linear.out_features)
 
     def forward(self, x: torch.Tensor, *, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x's product, then GELU or plus residual in the kernel's epilogue (whisper.linear_then)."""
+        """x's product, then GELU or plus residual in the kernel's epilogue (linear_then)."""
         return cpu_linear.linear(x, self.packed, self.bias, gelu=gelu, residual=residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for the C kernel"
+
+
+def linear_then(layer: nn.Module, x: torch.Tensor, *, gelu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """layer(x), then GELU or plus residual: in the C kernel's epilogue where layer is a
+    KernelLinear (bf16 on CPU: one rounding, no extra pass over the output), as torch ops
+    otherwise."""
+    if isinstance(layer, KernelLinear):
+        return layer(x, gelu=gelu, residual=residual)
+    y = layer(x)
+    if gelu:
+        y = F.gelu(y)
+    return y if residual is None else residual + y
 
 
 # The dtypes packed, with how far the packed product may be from F.linear's (bf16: its

@@ -19,7 +19,7 @@ from asrserve.model.attention import (
     write_cross_kv,
     write_kv,
 )
-from asrserve.model.packed_linear import KernelLinear, packed_linear
+from asrserve.model.packed_linear import linear_then, packed_linear
 from asrserve.model.rounded_logits import ExactLogits
 
 
@@ -47,19 +47,6 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10_000) -> torc
     inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2))
     scaled_time = torch.arange(length)[:, None] * inv_timescales[None, :]
     return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
-
-
-def linear_then(layer: nn.Module, x: torch.Tensor, *, gelu: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """layer(x), then GELU or plus residual: in the C kernel's epilogue where layer is a
-    KernelLinear (bf16 on CPU: one rounding, no extra pass over the output), as torch ops
-    otherwise."""
-    if isinstance(layer, KernelLinear):
-        return layer(x, gelu=gelu, residual=residual)
-    y = layer(x)
-    if gelu:
-        y = F.gelu(y)
-    return y if residual is None else residual + y
 
 
 class FeedForward(nn.Module):
