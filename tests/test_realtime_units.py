@@ -83,19 +83,24 @@ def test_turn_detector_pause_resume_and_hysteresis():
     assert not detector.speaking
 
 
-def test_the_final_decode_starts_after_the_servers_pause_setting():
+def test_the_final_decode_starts_after_the_servers_pause_setting(monkeypatch):
     """--realtime-pause-ms reaches every session's turn detector: with 60 ms the pause (where a
     final decode starts) comes at the second silent 32 ms window, with the default 100 ms at the
     third; the turn still stops after silence_duration_ms. Zero or less is refused."""
     from asrserve.cli import main
     from asrserve.config import ServerConfig
+    from asrserve.entrypoints import serving_realtime
     from asrserve.entrypoints.serving_realtime import RealtimeState
+
+    # No Silero load in the background: it would hold the GIL while later tests time their
+    # event loops (the interim cadence tests below).
+    monkeypatch.setattr(serving_realtime, "_load_vad", lambda: None)
 
     assert ServerConfig().realtime_pause_ms == RealtimeOptions().pause_ms == 100
     probs = [0.9, 0.9, *[0.05] * 16]  # speech in windows 0-1, silence from window 2
     for pause_ms, pause_heard_at in ((60, 3), (100, 4)):
         realtime = RealtimeState(SimpleNamespace(config=ServerConfig(realtime_pause_ms=pause_ms)))
-        realtime.shutdown()  # its VAD thread; the session below feeds its detector directly
+        realtime.shutdown()
         session = RealtimeSession("s", SessionConfig(), realtime.options, None, None, None, None, None)
         heard = [(event.kind, window) for window, prob in enumerate(probs)
                  for event in session.turns.feed(np.array([prob]), window)]
