@@ -109,10 +109,10 @@ def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
         rows.append(("bfloat16, attention as the C kernel", per_call_ms(lambda: bf16(mel16), repeats) / batch))
     encode = compiled_encoder(bf16, 80, cpu, torch.bfloat16, "on")
     rows.append(("bfloat16, compiled (--compile on)", per_call_ms(lambda: encode(mel16), repeats) / batch))
-    kernels = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
-    if kernel and use_linear_kernel(kernels):
+    on_kernels = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
+    if kernel and use_linear_kernel(on_kernels):
         rows.append(("bfloat16, linears with GELU and residual epilogues and attention as C kernels (the default)",
-                     per_call_ms(lambda: kernels(mel16), repeats) / batch))
+                     per_call_ms(lambda: on_kernels(mel16), repeats) / batch))
     return rows
 
 

@@ -11,7 +11,10 @@ bf16's (relative error 1.2% against 1.4% on real speech).
 One compiled graph serves every batch: audios go through it one at a time (a batch of 1500-row
 matmuls is as efficient as one long one on a CPU, and a single input shape compiles once, at
 start-up, in ~10 s). Freezing (weights baked in as constants, prepacked for oneDNN) measured
-no faster here and would hold the weights twice, so it is off.
+no faster here and would hold the weights twice, so it is off. Where the C kernels run
+(AVX512-BF16), the runner no longer compiles under --compile auto: the eager encoder over the
+linear kernel, with its GELU and residual adds in the kernel's epilogue, measured 6-10% quicker
+(worker/model_runner.py).
 
 On CUDA the whole batch goes through one graph whose batch dimension is dynamic (one
 compilation for every batch size): a GPU needs the batch to fill it, and the fused elementwise

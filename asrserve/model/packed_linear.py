@@ -213,9 +213,9 @@ def pack_linears(module: nn.Module) -> bool:
 
 def pack_decoder_linears(model: nn.Module) -> bool:
     """Packs the decoder's linears and its output projection, all or none. Returns whether they
-    are packed: the decoder's steps then need no padding. (The encoder's linears are packed
-    with pack_linears where it is not compiled: inductor takes packed weights only as frozen
-    constants.)
+    are packed: the decoder's steps then need no padding. (The encoder's linears go on the C
+    kernel with use_linear_kernel where it runs, or are packed with pack_linears where the
+    encoder is not compiled: inductor takes packed weights only as frozen constants.)
 
     In bf16, where the C kernel runs (cpu_linear.py: as quick as oneDNN for many rows, 1.3-3x
     quicker for a step's few), the decoder's linears and its output projection go through it

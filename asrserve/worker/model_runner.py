@@ -88,23 +88,22 @@ class ModelRunner:
         # padding.
         self.linears_packed = device.type == "cpu" and dtype in PACKED_DTYPES and pack_decoder_linears(self.model)
         padding = 0 if self.linears_packed else config.batch_invariant_padding
-        if self.linears_packed and dtype == torch.bfloat16 and config.model.compile != "on" and use_linear_kernel(
-                self.model.encoder):
-            # bf16 on CPU with the C kernels: the encoder runs eagerly over the kernel's linears,
-            # whose epilogues take its GELUs and residual adds: 6-10% quicker than the compiled
-            # graph (tiny.en, 2 Zen 4 cores), which could not trace them. --compile on compiles
-            # torch's linears instead.
+        if config.model.compile != "on" and use_linear_kernel(self.model.encoder):
+            # bf16 on CPU with the C kernels (use_linear_kernel takes nothing else): the encoder
+            # runs eagerly over the kernel's linears, whose epilogues take its GELUs and residual
+            # adds: 6-10% quicker than the compiled graph (tiny.en, 2 Zen 4 cores), which could
+            # not trace them. --compile on compiles torch's linears instead.
             self.encode = self.model.encoder
         else:
             self.encode = compiled_encoder(self.model.encoder, self.dims.n_mels, device, dtype, config.model.compile)
+            if self.linears_packed and self.encode is self.model.encoder:
+                pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
         if device.type == "cpu":
             # The decode step's C kernels are built (or found built) now, not in the first request.
             cpu_cross_attention.available()
             cpu_self_attention.available()
             cpu_encoder_attention.available()
             cpu_sampling.available()
-        if self.linears_packed and self.encode is self.model.encoder:
-            pack_linears(self.model.encoder)  # eager (not compiled, or compiling failed): packed too
         self.sampler = Sampler(
             loaded.generation.suppress_tokens,
             loaded.generation.begin_suppress_tokens,
