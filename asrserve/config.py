@@ -79,6 +79,10 @@ class ModelConfig:
     # CUDA with 16-bit weights, and on CPU with bfloat16 weights when a C++ compiler is there;
     # "on" insists, "off" never.
     compile: str = "auto"
+    # The encoder's linear layers in int8 (model/cpu_linear_int8.py): "auto" where they can run
+    # so (bf16 on a CPU with the C kernels and AVX512-VNNI, the encoder not compiled), "int8"
+    # insists, "none" keeps them in the model's dtype.
+    encoder_quantization: str = "auto"
     # CUDA: no graphs of decode steps; every step is launched op by op (cuda_graphs.py).
     enforce_eager: bool = False
 
@@ -87,6 +91,11 @@ class ModelConfig:
             raise ValueError(f"unknown load format {self.load_format!r}; choose auto or dummy")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"unknown compile mode {self.compile!r}; choose auto, on or off")
+        if self.encoder_quantization not in ("auto", "int8", "none"):
+            raise ValueError(f"unknown encoder quantization {self.encoder_quantization!r}; choose auto, int8 or none")
+        if self.encoder_quantization == "int8" and self.compile == "on":
+            raise ValueError("--encoder-quantization int8 runs the encoder eagerly over the int8 kernel; "
+                             "it cannot be combined with --compile on")
 
 
 @dataclass

@@ -111,8 +111,11 @@ def encoder_rows(batch: int, repeats: int) -> list[tuple[str, float]]:
     rows.append(("bfloat16, compiled (--compile on)", per_call_ms(lambda: encode(mel16), repeats) / batch))
     on_kernels = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
     if kernel and use_linear_kernel(on_kernels):
-        rows.append(("bfloat16, linears with GELU and residual epilogues and attention as C kernels (the default)",
-                     per_call_ms(lambda: on_kernels(mel16), repeats) / batch))
+        rows.append(("bfloat16, linears with GELU and residual epilogues and attention as C kernels "
+                     "(--encoder-quantization none)", per_call_ms(lambda: on_kernels(mel16), repeats) / batch))
+    int8 = load_model(ModelConfig(), cpu, torch.bfloat16).model.encoder
+    if kernel and use_linear_kernel(int8, int8=True):
+        rows.append(("the same with the linears in int8 (the default)", per_call_ms(lambda: int8(mel16), repeats) / batch))
     return rows
 
 

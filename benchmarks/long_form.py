@@ -425,11 +425,12 @@ def transformers_long_form(model_name: str, batch_size: int):
     return config, run
 
 
-def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: str):
+def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: str, quantization: str):
     from asrserve import ASR
 
-    asr = ASR(model, dtype=dtype)
-    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."), "chunking_strategy": strategy, "seek_continuation": seek} | extra
+    asr = ASR(model, dtype=dtype, encoder_quantization=quantization)
+    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."),
+              "encoder_int8": asr.engine.runner.encoder_int8, "chunking_strategy": strategy, "seek_continuation": seek} | extra
 
     def run(audios, languages):
         # Every file in one call, each in its own language: they decode side by side.
@@ -440,12 +441,13 @@ def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: s
     return config, run
 
 
-def asrserve_conditioned(model: str, dtype: str):
+def asrserve_conditioned(model: str, dtype: str, quantization: str):
     from asrserve import ASR
     from asrserve.audio.chunking import ChunkingStrategy, cut_audio
 
-    asr = ASR(model, dtype=dtype)
-    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."), "chunking_strategy": "auto",
+    asr = ASR(model, dtype=dtype, encoder_quantization=quantization)
+    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."),
+              "encoder_int8": asr.engine.runner.encoder_int8, "chunking_strategy": "auto",
               "conditioned": True}
 
     def transcribe(audio, language):
@@ -474,9 +476,10 @@ def make_system(name: str, model: str, args) -> tuple[dict, object]:
     if name == "transformers":
         return transformers_long_form(model, args.transformers_batch)
     if name == CONDITIONED:
-        return asrserve_conditioned(model, args.asrserve_dtype)
+        return asrserve_conditioned(model, args.asrserve_dtype, args.asrserve_encoder_quantization)
     strategy, seek = ASRSERVE[name]
-    return asrserve_runner(model, strategy, seek, json.loads(args.asrserve_kwargs), args.asrserve_dtype)
+    return asrserve_runner(model, strategy, seek, json.loads(args.asrserve_kwargs), args.asrserve_dtype,
+                           args.asrserve_encoder_quantization)
 
 
 def normalizer_for(set_name: str):
@@ -633,7 +636,9 @@ def worker(args) -> None:
 def run_worker(system: str, model: str, sets: list[str], directory: Path, args) -> list[dict]:
     command = [sys.executable, __file__, "--worker", system, "--model", model, "--dir", str(directory),
                "--sets", ",".join(sets), "--repeats", str(args.repeats), "--seed", str(args.seed),
-               "--transformers-batch", str(args.transformers_batch), "--asrserve-kwargs", args.asrserve_kwargs]
+               "--transformers-batch", str(args.transformers_batch), "--asrserve-kwargs", args.asrserve_kwargs,
+               "--asrserve-dtype", args.asrserve_dtype,
+               "--asrserve-encoder-quantization", args.asrserve_encoder_quantization]
     log = directory / f"{system}-{model}.log"
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -700,6 +705,9 @@ def main() -> None:
     parser.add_argument("--transformers-batch", type=int, default=4, help="files per transformers generate call")
     parser.add_argument("--asrserve-dtype", default="auto",
                         help="asrserve's dtype: auto (what users get: bfloat16 where the CPU computes it) or float32")
+    parser.add_argument("--asrserve-encoder-quantization", default="auto", choices=["auto", "int8", "none"],
+                        help="asrserve's encoder quantization: auto (what users get: int8 linears where the CPU "
+                             "runs the bf16 kernels and AVX512-VNNI) or none")
     parser.add_argument("--asrserve-kwargs", default="{}", help="JSON: more keyword arguments for ASR.transcribe")
     parser.add_argument("--keep-audio", type=Path, default=None, help="build the sets in this folder and keep them")
     parser.add_argument("--save-result", type=Path, default=None)

@@ -74,7 +74,7 @@ def engine_config(model: str | None = None, **overrides) -> EngineConfig:
     scheduler = SchedulerConfig(
         **{k: overrides.pop(k) for k in ("max_num_seqs", "max_encoder_batch", "encoder_cache_size") if k in overrides}
     )
-    model_keys = ("dtype", "device", "load_format", "compile", "enforce_eager")
+    model_keys = ("dtype", "device", "load_format", "compile", "encoder_quantization", "enforce_eager")
     model_config = ModelConfig(model=model, **{k: overrides.pop(k) for k in model_keys if k in overrides})
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, **overrides)
 

@@ -149,18 +149,20 @@ def test_epilogue_rows_have_the_same_bits_at_every_row_count_and_are_checked():
 
 @needs_kernel
 def test_the_bf16_cpu_engine_runs_its_encoder_over_the_kernel_with_its_epilogues():
-    """The runner (bf16 on CPU, --compile auto) swaps the encoder's linears for the kernel's and
-    runs the encoder eagerly; its output is as close to float32's as the torch path's."""
+    """The runner (bf16 on CPU, --compile auto, --encoder-quantization none) swaps the encoder's
+    linears for the kernel's and runs the encoder eagerly; its output is as close to float32's
+    as the torch path's. (By default they run in int8: tests/test_cpu_linear_int8.py.)"""
     from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from asrserve.engine.engine_core import EngineCore
 
-    engine = EngineCore(EngineConfig(ModelConfig(dtype="bfloat16"), CacheConfig(num_kv_blocks=256),
+    engine = EngineCore(EngineConfig(ModelConfig(dtype="bfloat16", encoder_quantization="none"),
+                                     CacheConfig(num_kv_blocks=256),
                                      SchedulerConfig(max_num_seqs=4)))
     runner = engine.runner
     encoder = runner.model.encoder
     assert runner.encode is encoder
     linears = [m for m in encoder.modules() if isinstance(m, (nn.Linear, KernelLinear))]
-    assert len(linears) == 4 * len(encoder.layers) and all(isinstance(m, KernelLinear) for m in linears)
+    assert len(linears) == 4 * len(encoder.layers) and all(type(m) is KernelLinear for m in linears)
     from asrserve.model.loader import load_model
 
     cpu = torch.device("cpu")

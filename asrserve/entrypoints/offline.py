@@ -89,12 +89,13 @@ class ASR:
         kv_cache_memory_gb: float | None = None,
         gpu_memory_utilization: float = 0.9,
         compile: str = "auto",
+        encoder_quantization: str = "auto",
         enforce_eager: bool = False,
     ):
         config = EngineConfig(
             model=ModelConfig(
                 model=model, dtype=dtype, device=device, load_format=load_format, compile=compile,
-                enforce_eager=enforce_eager,
+                encoder_quantization=encoder_quantization, enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,

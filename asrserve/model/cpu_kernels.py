@@ -53,9 +53,9 @@ def enabled() -> bool:
 
 
 @functools.cache
-def load(source_name: str, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr | None:
+def load(source_name: str, symbol: str, argtypes: tuple, extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr | None:
     """The C function `symbol` of csrc/<source_name>, returning int (0 on success), or None where
-    it cannot run here."""
+    it cannot run here. extra_flags: what this source needs beyond FLAGS (an instruction set)."""
     if not enabled():
         return None
     compiler = _compiler()
@@ -64,7 +64,8 @@ def load(source_name: str, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr | N
         return None
     source = SOURCES / source_name
     inputs = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(SOURCES.glob("*.h")))
-    key = hashlib.sha256(inputs + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256(inputs + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     library = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not library.exists():
@@ -74,7 +75,7 @@ def load(source_name: str, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr | N
             handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
             os.close(handle)
             try:
-                subprocess.run([compiler, *FLAGS, f"-I{SOURCES}", "-o", partial, str(source)], check=True, capture_output=True,
+                subprocess.run([compiler, *flags, f"-I{SOURCES}", "-o", partial, str(source)], check=True, capture_output=True,
                                timeout=120)
                 os.replace(partial, library)
             finally:

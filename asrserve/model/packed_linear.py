@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model import cpu_linear
+from asrserve.model import cpu_linear, cpu_linear_int8
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,24 @@ class KernelLinear(PackedLinear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for the C kernel"
+
+
+class Int8KernelLinear(KernelLinear):
+    """nn.Linear's forward through cpu_linear_int8's kernel: the weight in int8 per output, each
+    input row quantized on the fly (the encoder's linears; see cpu_linear_int8 for what it costs
+    in accuracy)."""
+
+    def __init__(self, linear: nn.Linear):
+        assert cpu_linear_int8.takes(linear.weight), linear
+        PackedLinear.__init__(self, None, None if linear.bias is None else linear.bias.detach().float(),
+                              linear.in_features, linear.out_features)
+        self.weight_int8 = cpu_linear_int8.pack(linear.weight)
+
+    def forward(self, x: torch.Tensor, *, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_linear_int8.linear(x, self.weight_int8, self.bias, gelu=gelu, residual=residual)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 for the C kernel"
 
 
 def linear_then(layer: nn.Module, x: torch.Tensor, *, gelu: bool = False,
@@ -242,11 +260,14 @@ def pack_decoder_linears(model: nn.Module) -> bool:
     return True
 
 
-def use_linear_kernel(module: nn.Module) -> bool:
-    """Swaps every nn.Linear of `module` for a KernelLinear if the kernel takes them all."""
+def use_linear_kernel(module: nn.Module, *, int8: bool = False) -> bool:
+    """Swaps every nn.Linear of `module` for a KernelLinear (with int8, an Int8KernelLinear) if
+    that kernel takes them all."""
+    kernel, takes = (Int8KernelLinear, cpu_linear_int8.takes) if int8 else (KernelLinear, cpu_linear.takes)
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    if not linears or not all(cpu_linear.takes(m.weight) for _, m in linears):
+    if not linears or not all(takes(m.weight) for _, m in linears):
         return False
     for name, linear in linears:
-        module.set_submodule(name, KernelLinear(linear))
+        module.set_submodule(name, kernel(linear))
     return True
+

@@ -88,7 +88,15 @@ class ModelRunner:
         # padding.
         self.linears_packed = device.type == "cpu" and dtype in PACKED_DTYPES and pack_decoder_linears(self.model)
         padding = 0 if self.linears_packed else config.batch_invariant_padding
-        if config.model.compile != "on" and use_linear_kernel(self.model.encoder):
+        quantization = config.model.encoder_quantization
+        eager = config.model.compile != "on"
+        # int8 where its kernel takes the encoder's linears (bf16 on a CPU with AVX512-VNNI):
+        # twice the bf16 kernel's rate, WER measured alongside (cpu_linear_int8.py).
+        self.encoder_int8 = eager and quantization != "none" and use_linear_kernel(self.model.encoder, int8=True)
+        if quantization == "int8" and not self.encoder_int8:
+            raise ValueError("--encoder-quantization int8 needs bfloat16 on a CPU with AVX512-BF16 and AVX512-VNNI "
+                             "and the C kernels (a C compiler, ASRSERVE_CPU_KERNELS not 0)")
+        if self.encoder_int8 or (eager and use_linear_kernel(self.model.encoder)):
             # bf16 on CPU with the C kernels (use_linear_kernel takes nothing else): the encoder
             # runs eagerly over the kernel's linears, whose epilogues take its GELUs and residual
             # adds: 6-10% quicker than the compiled graph (tiny.en, 2 Zen 4 cores), which could
