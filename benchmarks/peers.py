@@ -24,6 +24,8 @@ tokens, tiny.en drops whole sentences of a dense 30 s window, and every system's
   asrserve-offline[-fp32]    the engine in-process (`ASR`), every file submitted at once
   asrserve-http              `asrserve serve` as a subprocess, loaded by `asrserve bench`'s load
                              generator at --concurrency (default 8)
+  asrserve-http-bf16-encoder the same with `--encoder-quantization none` (the encoder's linears
+                             in bf16, not int8)
   transformers               `WhisperForConditionalGeneration.generate`, batched; its best batch
                              size of 8/16/32 (long-form generation for the long workload)
   faster-whisper-*           one file at a time (int8, float32); int8 with two workers on one
@@ -156,7 +158,9 @@ FACTORIES = {
     "faster-whisper-int8-2workers": lambda long: faster_whisper("int8", timestamps=long, workers=2),
     "faster-whisper-batched-int8": lambda long: faster_whisper("int8", timestamps=long, batched=True),
 }
-SYSTEMS = ["asrserve-offline", "asrserve-offline-fp32", "asrserve-http", *list(FACTORIES)[2:]]
+# The asrserve-http systems: `asrserve serve`'s arguments beyond the common ones.
+HTTP_SYSTEMS = {"asrserve-http": [], "asrserve-http-bf16-encoder": ["--encoder-quantization", "none"]}
+SYSTEMS = ["asrserve-offline", "asrserve-offline-fp32", *HTTP_SYSTEMS, *list(FACTORIES)[2:]]
 
 
 def measure_in_process(name: str, directory: Path, repeats: int, long: bool) -> dict:
@@ -181,11 +185,11 @@ def measure_in_process(name: str, directory: Path, repeats: int, long: bool) -> 
     }
 
 
-def measure_http(directory: Path, repeats: int, concurrency: int, long: bool) -> dict:
+def measure_http(directory: Path, repeats: int, concurrency: int, long: bool, name: str = "asrserve-http") -> dict:
     from tests.server_utils import ServerProcess
 
     files = load_workload(directory, directory / "manifest.tsv")
-    server = ServerProcess(["--dtype", FAST_DTYPE, "--max-num-seqs", "64"])
+    server = ServerProcess(["--dtype", FAST_DTYPE, "--max-num-seqs", "64", *HTTP_SYSTEMS[name]])
     try:
         server.wait_ready()
         spec = LoadSpec(url=server.url, model="tiny.en", concurrency=concurrency, progress=False,
@@ -198,8 +202,8 @@ def measure_http(directory: Path, repeats: int, concurrency: int, long: bool) ->
     finally:
         server.stop()
     return {
-        "system": "asrserve-http",
-        "config": {"dtype": FAST_DTYPE, "concurrency": concurrency, "timestamps": long, "fallback": FALLBACK},
+        "system": name,
+        "config": {"args": HTTP_SYSTEMS[name], "dtype": FAST_DTYPE, "concurrency": concurrency, "timestamps": long, "fallback": FALLBACK},
         "audio_seconds": summary["audio_seconds"], "wall_seconds": summary["wall_seconds"],
         "rtfx": summary["rtfx"], "wer": summary.get("wer"), "failed": summary["failed"],
         "latency_ms": summary["latency_ms"],
@@ -220,8 +224,8 @@ def run_workload(workload: str, systems: list[str], repeats: int, concurrency: i
         print(f"\n{workload}: {len(references)} files", flush=True)
         print(f"{'system':<32}{'audio s':>9}{'wall s':>9}{'RTFx':>8}{'WER %':>8}", flush=True)
         for name in systems:
-            if name == "asrserve-http":
-                result = measure_http(directory, repeats, concurrency, workload == "long")
+            if name in HTTP_SYSTEMS:
+                result = measure_http(directory, repeats, concurrency, workload == "long", name)
             else:
                 worker = subprocess.run(
                     [sys.executable, __file__, "--worker", name, "--dir", tmp, "--repeats", str(repeats),
@@ -246,7 +250,7 @@ def ratios(results: list[dict]) -> dict:
         rows = {r["system"]: r["rtfx"] for r in results if r["workload"] == workload}
         peers = {k: v for k, v in rows.items() if not k.startswith("asrserve")}
         fw = {k: v for k, v in peers.items() if k.startswith("faster-whisper")}
-        for ours in ("asrserve-http", "asrserve-offline"):
+        for ours in (*HTTP_SYSTEMS, "asrserve-offline"):
             if ours in rows:
                 if fw:
                     out[f"{workload}: {ours} / best faster-whisper"] = round(rows[ours] / max(fw.values()), 2)
