@@ -372,3 +372,43 @@ def test_interim_decodes_wait_while_a_final_decode_runs():
     assert any(start >= final_end for _, start, _ in interims), log
     assert not [start for _, start, _ in interims if final_start < start < final_end], log
 
+
+
+def test_a_turn_whose_final_is_done_completes_before_any_other_task_runs():
+    """The final decode usually ends before the turn does (it starts at the first pause): then
+    the turn's text and `completed` go out within the commit itself, with no task in between
+    that other work on the event loop (file uploads) could delay. A final still decoding sends
+    them later, in the same order."""
+    from asrserve.entrypoints.live_decode import LiveDecode
+    from asrserve.entrypoints.live_item import Item, Segment
+
+    async def turn(final_done: bool) -> tuple[list[str], list[str]]:
+        events: list[dict] = []
+
+        async def send(event: dict) -> None:
+            events.append(event)
+
+        tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(f"w{t}" for t in tokens))
+        metrics = SimpleNamespace(realtime_completed_latency=SimpleNamespace(observe=lambda seconds: None))
+        session = RealtimeSession("s", SessionConfig(turn_detection=None), RealtimeOptions(), None, tokenizer,
+                                  send=send, run_vad=None, metrics=metrics)
+        session.audio.append(np.zeros(16_000, np.float32))
+        segment = Segment(0)
+        result = LiveDecode(token_ids=[7, 8], logprobs=[-0.1, -0.2], language="en", no_speech=False)
+        final = asyncio.get_running_loop().create_future()
+        if final_done:
+            final.set_result(result)
+        segment.final = final
+        await session._finish_item(Item("item_1", 0, [segment]), 16_000)
+        at_commit = [e["type"] for e in events]
+        if not final_done:
+            final.set_result(result)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return at_commit, [e["type"] for e in events]
+
+    order = ["input_audio_buffer.committed", "conversation.item.added",
+             "conversation.item.input_audio_transcription.delta",
+             "conversation.item.input_audio_transcription.completed", "conversation.item.done"]
+    assert asyncio.run(turn(final_done=True)) == (order, order)
+    assert asyncio.run(turn(final_done=False)) == (order[:2], order)
