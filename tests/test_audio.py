@@ -124,6 +124,31 @@ def test_log_mel_matches_transformers(n_mels):
         assert np.abs(mel - reference).max() < 1e-4
 
 
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_log_mel_of_the_audios_frames_only_equals_the_whole_windows(n_mels):
+    """On CPU each audio's STFT covers only the frames that reach its samples; the frames in the
+    padding are filled in. Against the whole 30 s window's computation (the batch path CUDA
+    takes): the same bits from a few hundred samples up (below, one float32 rounding of the mel
+    product), at lengths on either side of a hop, of the half window, and of the window's end."""
+    mel = LogMelSpectrogram(n_mels, torch.device("cpu"))
+    rng = np.random.default_rng(2)
+    hop, half = 160, 200
+    lengths = [1, hop - 1, hop, hop + 1, half, half + 1, 2 * half, SR * 5 + 37, SR * 30 - half - 1,
+               SR * 30 - half, SR * 30 - 1, SR * 30]
+    for n in lengths:
+        audio = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        padded = torch.zeros(1, 30 * SR)
+        padded[0, :n] = torch.from_numpy(audio)
+        whole = mel.from_padded(padded)[0]
+        ours = mel.of_one(audio)
+        if n > 2 * half:
+            assert torch.equal(ours, whole), n
+        else:
+            assert (ours - whole).abs().max() <= 2.0**-21, n
+    quiet = np.zeros(SR, np.float32)  # all padding-like: every frame at the floor, as before
+    assert torch.equal(mel.of_one(quiet), mel.from_padded(torch.zeros(1, 30 * SR))[0])
+
+
 @pytest.mark.parametrize("suffix", ["m4a", "webm", "mp4", "aac"])
 def test_containers_libsndfile_refuses_decode_through_ffmpeg(speech_files, tmp_path, suffix):
     require_ffmpeg()
