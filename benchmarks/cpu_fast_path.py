@@ -138,6 +138,14 @@ def cross_attention_rows(requests: list[int], repeats: int) -> list[tuple[str, f
         if cpu_cross_attention.available():
             kernel = lambda: cpu_cross_attention.cross_attention(queries, keys, values, cross_len)  # noqa: E731
             rows.append((f"{n} requests, C kernel (engine path)", per_call_ms(kernel, repeats)))
+    # A request in fallback: its 25 samples (5 temperatures x best_of 5) over its one slot.
+    keys, values = torch.randn(2, 1, 6, slot_tokens, 64, generator=generator).bfloat16().unbind(0)
+    queries = (torch.randn(1, 25, 6, 64, generator=generator) * 64**-0.5).bfloat16()
+    matmuls = lambda: _attention_16bit_cpu(queries.transpose(1, 2), keys, values, mask)  # noqa: E731
+    rows.append(("1 request's 25 fallback samples, bf16 matmuls (torch path)", per_call_ms(matmuls, repeats)))
+    if cpu_cross_attention.available():
+        kernel = lambda: cpu_cross_attention.cross_attention(queries, keys, values, cross_len)  # noqa: E731
+        rows.append(("1 request's 25 fallback samples, C kernel (engine path)", per_call_ms(kernel, repeats)))
     return rows
 
 

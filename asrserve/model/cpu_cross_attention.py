@@ -13,8 +13,11 @@ neighbours in the step.
 
 Several rows over one slot (a request and its fallback samples) share one read of it, up to 16
 rows at a time. Every row is computed the same way whatever the number of rows and slots in
-the call (~the speed of torch's matmuls at 25 rows; they computed a row alike at any count too),
-so a sample's output does not depend on how many of its siblings are decoding.
+the call, so a sample's output does not depend on how many of its siblings are decoding: with
+several rows, sixteen keys' dot products are summed across lanes together in the order one
+key's are (reduce16), and four rows' weighted sums of the values stay in registers. A request's
+25 fallback samples take 0.34 ms a layer against 0.52 before those two and 0.48 for torch's
+matmuls (`python benchmarks/cpu_fast_path.py --only cross-attention`, tiny.en, 2 Zen 4 cores).
 
 Built and loaded by cpu_kernels.py; where it cannot run (no AVX512-BF16, no C compiler,
 ASRSERVE_CPU_KERNELS=0) the torch path serves.
