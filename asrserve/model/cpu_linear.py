@@ -28,6 +28,7 @@ cannot run (no AVX512-BF16, no C compiler, ASRSERVE_CPU_KERNELS=0) the oneDNN pa
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +41,7 @@ def _kernel():
                             + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
 
 
-# The kernel's epilogues (csrc/linear_bf16.c).
+# The kernels' epilogues (csrc/linear_epilogue.h).
 _NONE, _GELU, _RESIDUAL = 0, 1, 2
 
 
@@ -71,21 +72,42 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, *, 
     float32 before the one rounding."""
     kernel = _kernel()
     assert kernel is not None, "the kernel is not available here (see available())"
-    assert not (gelu and residual is not None), "one epilogue at a time"
     num_blocks, pairs = packed.shape[:2]
     in_features, out_features = 2 * pairs, 16 * num_blocks
-    assert x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] == in_features, x.shape
-    rows = x.reshape(-1, in_features).contiguous()
-    epilogue, residual_ptr = (_GELU if gelu else _NONE), 0
-    if residual is not None:
-        assert residual.dtype == torch.bfloat16 and residual.shape == (*x.shape[:-1], out_features), residual.shape
-        residual = residual.reshape(-1, out_features).contiguous()
-        epilogue, residual_ptr = _RESIDUAL, residual.data_ptr()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    status = kernel(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), epilogue,
-                    residual_ptr, out.data_ptr(), rows.shape[0], in_features, out_features,
-                    torch.get_num_threads())
+    operands = Operands.of(x, in_features, out_features, gelu, residual)
+    status = kernel(operands.rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                    operands.epilogue, operands.residual_ptr, operands.out.data_ptr(), operands.rows.shape[0],
+                    in_features, out_features, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"bf16 linear kernel refused a {out_features}x{in_features} product")
-    return out.view(*x.shape[:-1], out_features)
+    return operands.result(x)
+
+
+@dataclass
+class Operands:
+    """What a linear kernel (this one, cpu_linear_int8's) reads and writes besides the weight:
+    x's rows contiguous, the epilogue's code and residual, and the bf16 output."""
+
+    rows: torch.Tensor
+    epilogue: int
+    residual_ptr: int
+    residual: torch.Tensor | None  # kept alive for the call
+    out: torch.Tensor
+
+    @staticmethod
+    def of(x: torch.Tensor, in_features: int, out_features: int, gelu: bool,
+           residual: torch.Tensor | None) -> Operands:
+        assert not (gelu and residual is not None), "one epilogue at a time"
+        assert x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] == in_features, x.shape
+        rows = x.reshape(-1, in_features).contiguous()
+        epilogue, residual_ptr = (_GELU if gelu else _NONE), 0
+        if residual is not None:
+            assert residual.dtype == torch.bfloat16 and residual.shape == (*x.shape[:-1], out_features), residual.shape
+            residual = residual.reshape(-1, out_features).contiguous()
+            epilogue, residual_ptr = _RESIDUAL, residual.data_ptr()
+        out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+        return Operands(rows, epilogue, residual_ptr, residual, out)
+
+    def result(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out.view(*x.shape[:-1], self.out.shape[-1])
 

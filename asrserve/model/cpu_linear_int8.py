@@ -27,16 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from asrserve.model import cpu_kernels
+from asrserve.model.cpu_linear import Operands
 
 
 def _kernel():
     return cpu_kernels.load("linear_int8.c", "asrserve_linear_int8",
                             (ctypes.c_void_p,) * 5 + (ctypes.c_int,) + (ctypes.c_void_p,) * 2
                             + (ctypes.c_int64,) * 3 + (ctypes.c_int,), extra_flags=("-mavx512vnni",))
-
-
-# The kernel's epilogues (csrc/linear_epilogue.h).
-_NONE, _GELU, _RESIDUAL = 0, 1, 2
 
 
 def available() -> bool:
@@ -88,21 +85,14 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None, *, ge
     before the one rounding."""
     kernel = _kernel()
     assert kernel is not None, "the kernel is not available here (see available())"
-    assert not (gelu and residual is not None), "one epilogue at a time"
     out_features, in_features = weight.shape
-    assert x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] == in_features, x.shape
-    rows = x.reshape(-1, in_features).contiguous()
-    epilogue, residual_ptr = (_GELU if gelu else _NONE), 0
-    if residual is not None:
-        assert residual.dtype == torch.bfloat16 and residual.shape == (*x.shape[:-1], out_features), residual.shape
-        residual = residual.reshape(-1, out_features).contiguous()
-        epilogue, residual_ptr = _RESIDUAL, residual.data_ptr()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    status = kernel(rows.data_ptr(), weight.packed.data_ptr(), weight.scale.data_ptr(), weight.sums.data_ptr(),
-                    0 if bias is None else bias.data_ptr(), epilogue, residual_ptr, out.data_ptr(), rows.shape[0],
-                    in_features, out_features, torch.get_num_threads())
+    operands = Operands.of(x, in_features, out_features, gelu, residual)
+    status = kernel(operands.rows.data_ptr(), weight.packed.data_ptr(), weight.scale.data_ptr(),
+                    weight.sums.data_ptr(), 0 if bias is None else bias.data_ptr(), operands.epilogue,
+                    operands.residual_ptr, operands.out.data_ptr(), operands.rows.shape[0], in_features,
+                    out_features, torch.get_num_threads())
     if status == 2:
-        raise MemoryError(f"int8 linear kernel: no memory for {rows.shape[0]} quantized rows")
+        raise MemoryError(f"int8 linear kernel: no memory for {operands.rows.shape[0]} quantized rows")
     if status != 0:
         raise RuntimeError(f"int8 linear kernel refused a {out_features}x{in_features} product")
-    return out.view(*x.shape[:-1], out_features)
+    return operands.result(x)
