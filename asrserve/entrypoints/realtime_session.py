@@ -259,7 +259,7 @@ class RealtimeSession:
         if result.no_speech and not segment.stable:
             return
         await self.extend(item, segment, segment.stable + result.token_ids,
-                           segment.stable_logprobs + result.logprobs, result.language)
+                          segment.stable_logprobs + result.logprobs, result.language)
 
     async def _complete(self, item: Item, end: int, committed_at: float, before: asyncio.Task | None) -> None:
         if before is not None:
@@ -285,7 +285,7 @@ class RealtimeSession:
                                      item=user_item(item.item_id, item.sent, "completed")))
 
     async def extend(self, item: Item, segment: Segment, tokens: list[int], logprobs: list[float],
-                      language: str | None) -> None:
+                     language: str | None) -> None:
         """The segment's text is now that of `tokens` (which begin with what was sent): sends
         the difference as a delta."""
         item.language = item.language or language
