@@ -425,12 +425,18 @@ def transformers_long_form(model_name: str, batch_size: int):
     return config, run
 
 
-def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: str, quantization: str):
+def asrserve_engine(model: str, dtype: str, quantization: str):
+    """ASR(model) as the system asks for it, and what it resolved to (dtype, int8 encoder)."""
     from asrserve import ASR
 
     asr = ASR(model, dtype=dtype, encoder_quantization=quantization)
-    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."),
-              "encoder_int8": asr.engine.runner.encoder_int8, "chunking_strategy": strategy, "seek_continuation": seek} | extra
+    runner = asr.engine.runner
+    return asr, {"dtype": str(runner.dtype).removeprefix("torch."), "encoder_int8": runner.encoder_int8}
+
+
+def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: str, quantization: str):
+    asr, config = asrserve_engine(model, dtype, quantization)
+    config |= {"chunking_strategy": strategy, "seek_continuation": seek} | extra
 
     def run(audios, languages):
         # Every file in one call, each in its own language: they decode side by side.
@@ -442,13 +448,10 @@ def asrserve_runner(model: str, strategy: str, seek: bool, extra: dict, dtype: s
 
 
 def asrserve_conditioned(model: str, dtype: str, quantization: str):
-    from asrserve import ASR
     from asrserve.audio.chunking import ChunkingStrategy, cut_audio
 
-    asr = ASR(model, dtype=dtype, encoder_quantization=quantization)
-    config = {"dtype": str(asr.engine.runner.dtype).removeprefix("torch."),
-              "encoder_int8": asr.engine.runner.encoder_int8, "chunking_strategy": "auto",
-              "conditioned": True}
+    asr, config = asrserve_engine(model, dtype, quantization)
+    config |= {"chunking_strategy": "auto", "conditioned": True}
 
     def transcribe(audio, language):
         texts: list[str] = []

@@ -120,9 +120,10 @@ class Int8KernelLinear(KernelLinear):
 
     def __init__(self, linear: nn.Linear):
         assert cpu_linear_int8.takes(linear.weight), linear
-        PackedLinear.__init__(self, None, None if linear.bias is None else linear.bias.detach().float(),
-                              linear.in_features, linear.out_features)
-        self.weight_int8 = cpu_linear_int8.pack(linear.weight)
+        weight = cpu_linear_int8.pack(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        PackedLinear.__init__(self, weight.packed, bias, linear.in_features, linear.out_features)
+        self.weight_int8 = weight
 
     def forward(self, x: torch.Tensor, *, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         return cpu_linear_int8.linear(x, self.weight_int8, self.bias, gelu=gelu, residual=residual)
