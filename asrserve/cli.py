@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="threads that decode, resample and split uploads (default: min(CPUs, 2))")
     http.add_argument("--max-audio-filesize-mb", type=float, default=25.0,
                       help="largest upload; larger ones get 413 while still uploading")
-    http.add_argument("--max-audio-duration-s", type=float, default=600.0, help="longest audio accepted")
+    http.add_argument("--max-audio-duration-s", type=float, default=7200.0, help="longest audio accepted")
+    http.add_argument("--max-audio-in-flight-s", type=float, default=28800.0,
+                      help="seconds of audio all transcriptions in flight may hold; past this, 429 with Retry-After")
     http.add_argument("--max-waiting-requests", type=int, default=128,
                       help="requests accepted but not yet producing text; past this, 429 with Retry-After")
     http.add_argument("--upload-idle-timeout-s", type=float, default=30.0,
@@ -298,6 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, served_model_names=args.served_model_name, api_keys=args.api_key or [],
             preprocess_workers=args.preprocess_workers, max_audio_filesize_mb=args.max_audio_filesize_mb,
             max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
+            max_audio_in_flight_s=args.max_audio_in_flight_s,
             upload_idle_timeout_s=args.upload_idle_timeout_s,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
             access_log=args.access_log, chunking_strategy=parse_chunking_strategy(args.chunking_strategy),

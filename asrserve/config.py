@@ -188,7 +188,12 @@ class ServerConfig:
     # Threads that decode, resample and split uploads; None: min(CPUs, 2).
     preprocess_workers: int | None = None
     max_audio_filesize_mb: float = 25.0
-    max_audio_duration_s: float = 600.0
+    # Two hours: what 25 MB of speech-rate MP3 or Opus holds (an hour of 48 kbps MP3 is 22 MB).
+    max_audio_duration_s: float = 7200.0
+    # Decoded audio that transcriptions in flight hold, in seconds (64 KB a second, in the server
+    # and again in the engine until its pieces are decoded); past it a request gets 429 with
+    # Retry-After, unless it is the only one.
+    max_audio_in_flight_s: float = 28800.0
     # Requests accepted but not yet producing text; past this, 429 with Retry-After.
     max_waiting_requests: int = 128
     # After the engine process dies: seconds /health answers 503 before the server exits.
@@ -226,8 +231,8 @@ class ServerConfig:
             raise ValueError(f"port must be between 1 and 65535, got {self.port}")
         if self.preprocess_workers is not None and self.preprocess_workers < 1:
             raise ValueError("preprocess_workers must be at least 1")
-        if self.max_audio_filesize_mb <= 0 or self.max_audio_duration_s <= 0:
-            raise ValueError("max_audio_filesize_mb and max_audio_duration_s must be positive")
+        if min(self.max_audio_filesize_mb, self.max_audio_duration_s, self.max_audio_in_flight_s) <= 0:
+            raise ValueError("max_audio_filesize_mb, max_audio_duration_s and max_audio_in_flight_s must be positive")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1")
         if self.realtime_max_sessions < 0 or self.realtime_idle_timeout_s <= 0 or self.realtime_max_buffer_s <= 0:

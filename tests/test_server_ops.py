@@ -110,6 +110,70 @@ def test_over_the_waiting_bound_is_429_with_retry_after(limited_server, speech_f
     assert httpx.post(url, files={"file": audio}, timeout=120).status_code == 200  # and it recovers
 
 
+def test_audio_in_flight_is_bounded_and_a_lone_request_always_goes_in(speech_audio):
+    """Hour-long uploads hold hundreds of MB each: past --max-audio-in-flight-s a request gets
+    429 with Retry-After; alone, any duration up to --max-audio-duration-s is accepted; the
+    count returns to zero however a request ends (plain or streamed)."""
+    def wav(seconds: float) -> bytes:
+        audio = np.concatenate(speech_audio * 8)[: int(seconds * SAMPLE_RATE)]
+        buffer = io.BytesIO()
+        soundfile.write(buffer, audio, SAMPLE_RATE, format="WAV")
+        return buffer.getvalue()
+
+    process = ServerProcess(["--max-audio-in-flight-s", "20", "--max-audio-duration-s", "30", "--max-num-seqs", "1",
+                             "--max-encoder-batch", "1", "--preprocess-workers", "2"])
+    try:
+        url = f"{process.wait_ready().url}/v1/audio/transcriptions"
+        twelve = wav(12.0)
+        with ThreadPoolExecutor(8) as pool:  # any two together pass the 20 s
+            responses = list(pool.map(lambda _: httpx.post(url, files={"file": twelve}, timeout=120), range(8)))
+        statuses = [response.status_code for response in responses]
+        assert set(statuses) == {200, 429}, statuses
+        for response in responses:
+            if response.status_code == 429:
+                error = _assert_error(response, 429, code="server_busy")
+                assert "in flight" in error["message"] and int(response.headers["retry-after"]) >= 1
+        assert process.metrics()["asrserve_audio_seconds_in_flight"] == 0
+        alone = httpx.post(url, files={"file": wav(25.0)}, data={"stream": "true"}, timeout=120)
+        assert alone.status_code == 200 and "transcript.text.done" in alone.text  # 25 s > 20 s, alone
+        assert process.metrics()["asrserve_audio_seconds_in_flight"] == 0
+    finally:
+        process.stop()
+
+
+def test_an_hour_long_mp3_at_the_default_limits_keeps_its_times(speech_audio):
+    """A meeting-length upload under OpenAI's 25 MB, with the server's default limits: accepted,
+    its speech found across the hour (the silence skipped), subtitles timed past 1:00:00."""
+    from tests.conftest import SENTENCES, require_ffmpeg
+
+    require_ffmpeg()
+    rng = np.random.default_rng(3)
+    audio = (1e-4 * rng.standard_normal(3660 * SAMPLE_RATE)).astype(np.float32)
+    placed = {20: 5, 1830: 6, 3630: 15}  # second -> sentence (ones tiny.en hears right alone)
+    for at, index in placed.items():
+        audio[at * SAMPLE_RATE : at * SAMPLE_RATE + len(speech_audio[index])] += speech_audio[index]
+    wav = io.BytesIO()
+    soundfile.write(wav, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    mp3 = subprocess.run(["ffmpeg", "-loglevel", "error", "-i", "pipe:0", "-b:a", "32k", "-f", "mp3", "pipe:1"],
+                         input=wav.getvalue(), capture_output=True, check=True).stdout
+    assert len(mp3) < 25 * 1024 * 1024
+    process = ServerProcess([])
+    try:
+        response = httpx.post(f"{process.wait_ready().url}/v1/audio/transcriptions", files={"file": mp3},
+                              data={"response_format": "srt"}, timeout=600)
+        assert response.status_code == 200, response.text
+        cues = re.findall(r"(\d\d):(\d\d):(\d\d),\d{3} --> [^\n]+\n([^\n]+)", response.text)
+        for at, index in placed.items():
+            near = [text for h, m, s, text in cues if abs(int(h) * 3600 + int(m) * 60 + int(s) - at) <= 3]
+            expected = {w.strip(".,").lower() for w in SENTENCES[index].split()}
+            heard = {w.strip(".,!?").lower() for w in " ".join(near).split()}
+            assert len(expected & heard) >= 0.5 * len(expected), (at, near, response.text)
+        assert response.text.count("-->") <= 6, response.text  # the hour of noise gave no text
+        assert process.metrics()["asrserve_audio_seconds_in_flight"] == 0
+    finally:
+        process.stop()
+
+
 # --- translations and language detection on the multilingual base --------------------------
 
 

@@ -41,6 +41,11 @@ class ServerMetrics:
             "Transcription requests accepted and not yet producing text (bounded by --max-waiting-requests)",
             registry=registry,
         )
+        self.audio_seconds_in_flight = Gauge(
+            "asrserve_audio_seconds_in_flight",
+            "Seconds of decoded audio held by transcriptions in flight (bounded by --max-audio-in-flight-s)",
+            registry=registry,
+        )
         self.preprocess_queue_depth = Gauge(
             "asrserve_preprocess_queue_depth", "Uploads waiting for a preprocessing thread", registry=registry
         )

@@ -23,6 +23,7 @@ from asrserve.engine.request_checks import check_language
 from asrserve.entrypoints.auth import authorize
 from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
 from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
+from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.entrypoints.protocol import (
     TIMESTAMPED_FORMATS,
     APIError,
@@ -151,6 +152,27 @@ class _WaitingSlot:
             self.state.num_waiting -= 1
 
 
+class _AudioHeld:
+    """Counts a transcription's decoded audio against --max-audio-in-flight-s until it ends: an
+    hour is 230 MB as float32, held here and again in the engine, so the bound on requests
+    waiting alone does not bound memory once uploads are hours long."""
+
+    def __init__(self, state: ServerState, seconds: float):
+        in_flight, limit = state.audio_s_in_flight, state.config.max_audio_in_flight_s
+        if in_flight and in_flight + seconds > limit:  # (alone, any accepted duration goes in)
+            raise APIError(
+                429, f"the server holds {in_flight:.0f} s of audio in flight, and this file's {seconds:.0f} s would "
+                f"pass its limit of {limit:.0f} s; retry shortly", type="rate_limit_error", code="server_busy",
+                headers={"Retry-After": "5"},
+            )
+        self.state, self.seconds = state, seconds
+        state.audio_s_in_flight += seconds
+
+    def release(self) -> None:
+        self.state.audio_s_in_flight -= self.seconds
+        self.seconds = 0.0
+
+
 async def _transcribe(
     state: ServerState, audio: bytearray, job_params: TranscriptionParams, waiting: _WaitingSlot
 ) -> Response:
@@ -161,6 +183,18 @@ async def _transcribe(
     except AudioError as error:
         raise APIError(400, str(error), param="file", code="invalid_audio") from None
     del audio
+    held = _AudioHeld(state, prepared.duration_s)
+    try:
+        return await _run_job(state, prepared, job_params, waiting, held)
+    finally:
+        if not waiting.handed_off:
+            held.release()
+
+
+async def _run_job(
+    state: ServerState, prepared: PreparedAudio, job_params: TranscriptionParams, waiting: _WaitingSlot,
+    held: _AudioHeld,
+) -> Response:
     try:
         job = TranscriptionJob(
             state.engine, state.tokenizer, prepared, job_params.language, job_params.task, job_params.sampling,
@@ -175,6 +209,7 @@ async def _transcribe(
         def cleanup() -> None:
             job.abort()
             waiting.release()
+            held.release()
 
         return _CleanupStreamingResponse(
             _sse_events(state, job, job_params),

@@ -1,0 +1,153 @@
+"""An hour-long recording over HTTP, as a user sends a meeting: one MP3 under OpenAI's 25 MB to
+`asrserve serve` at its default limits, OpenAI's defaults otherwise.
+
+    python benchmarks/hour_long.py [--model tiny.en] [--response-format verbose_json]
+        [--faster-whisper] [--save-result hour_long.json]
+
+The hour is benchmarks/long_form.py's real-en set (the English recordings of ../shared/audio
+joined with short pauses, ~15 minutes) four times over, files joined with 1 s of room tone,
+encoded at 48 kbps (22 MB). Reports the wall time and RTFx of the one request, the WER against
+the joined references, whether the segments' times run in order and end inside the audio, and
+the peak resident memory of the server's processes (sampled every 0.2 s). --faster-whisper
+adds faster-whisper's sequential long-form decoding of the same hour (int8, 2 threads, greedy,
+its defaults otherwise) as the accuracy and speed reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import soundfile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from long_form import faster_whisper, real_en, room_tone  # noqa: E402
+
+from asrserve.benchmark.wer import english_normalizer, word_errors  # noqa: E402
+from tests.server_utils import ServerProcess  # noqa: E402
+
+SAMPLE_RATE = 16000
+
+
+def build_hour(repeats: int = 4) -> tuple[np.ndarray, str]:
+    files = real_en()
+    if not files:
+        raise SystemExit("../shared/audio is needed for the real-en recordings")
+    rng = np.random.default_rng(7)
+    audio, references = [], []
+    for _ in range(repeats):
+        for entry in files:
+            audio += [entry["audio"], room_tone(1.0, rng)]
+            references.append(entry["reference"])
+    return np.concatenate(audio).astype(np.float32), " ".join(references)
+
+
+def to_mp3(audio: np.ndarray, bitrate: str = "48k") -> bytes:
+    wav = io.BytesIO()
+    soundfile.write(wav, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return subprocess.run(["ffmpeg", "-loglevel", "error", "-i", "pipe:0", "-b:a", bitrate, "-f", "mp3", "pipe:1"],
+                          input=wav.getvalue(), capture_output=True, check=True).stdout
+
+
+def process_tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children (the engine), in MB."""
+    pids, total = [pid], 0
+    while pids:
+        current = pids.pop()
+        try:
+            total += int(Path(f"/proc/{current}/statm").read_text().split()[1]) * 4096
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pids += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total / 2**20
+
+
+def wer_of(reference: str, text: str) -> dict:
+    normalize = english_normalizer()
+    ref, hyp = normalize(reference).split(), normalize(text).split()
+    errors = word_errors(ref, hyp)
+    return {"wer": round(100 * errors / len(ref), 2), "errors": errors, "ref_words": len(ref), "hyp_words": len(hyp)}
+
+
+def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, response_format: str) -> dict:
+    process = ServerProcess([model, "--no-access-log"])
+    try:
+        url = process.wait_ready(timeout=300).url
+        idle_mb = process_tree_rss_mb(process.process.pid)
+        peak = [idle_mb]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], process_tree_rss_mb(process.process.pid))
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        started = time.perf_counter()
+        response = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("hour.mp3", mp3)},
+                              data={"model": model, "response_format": response_format}, timeout=3600)
+        wall = time.perf_counter() - started
+        done.set()
+        sampler.join()
+        response.raise_for_status()
+        body = response.json()
+        row = {"system": "asrserve-http", "wall_s": round(wall, 2), "rtfx": round(seconds / wall, 1),
+               "idle_rss_mb": round(idle_mb), "peak_rss_mb": round(peak[0]), **wer_of(reference, body["text"])}
+        if "segments" in body:
+            segments = body["segments"]
+            row["segments"] = len(segments)
+            row["segments_in_order"] = all(a["start"] <= b["start"] for a, b in zip(segments, segments[1:]))
+            row["last_end_s"] = segments[-1]["end"]
+            row["ends_inside_audio"] = all(s["start"] <= s["end"] <= seconds + 0.02 for s in segments)
+        return row
+    finally:
+        process.stop()
+
+
+def faster_whisper_sequential(model: str, audio: np.ndarray, seconds: float, reference: str) -> dict:
+    config, run = faster_whisper(model, "int8")
+    started = time.perf_counter()
+    (text,) = run([audio], ["en"])
+    wall = time.perf_counter() - started
+    return {"system": "faster-whisper-int8", "config": config, "wall_s": round(wall, 2),
+            "rtfx": round(seconds / wall, 1), **wer_of(reference, text)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny.en")
+    parser.add_argument("--response-format", default="json", choices=["json", "verbose_json"])
+    parser.add_argument("--faster-whisper", action="store_true")
+    parser.add_argument("--save-result", type=Path, default=None)
+    args = parser.parse_args()
+    audio, reference = build_hour()
+    seconds = len(audio) / SAMPLE_RATE
+    mp3 = to_mp3(audio)
+    print(f"{seconds:.0f} s of audio, {len(mp3) / 2**20:.1f} MB as MP3")
+    rows = [asrserve_http(args.model, mp3, seconds, reference, args.response_format)]
+    if args.faster_whisper:
+        rows.append(faster_whisper_sequential(args.model, audio, seconds, reference))
+    for row in rows:
+        print(json.dumps(row))
+    if args.save_result:
+        args.save_result.write_text(json.dumps(
+            {"model": args.model, "seconds": seconds, "mp3_mb": round(len(mp3) / 2**20, 1),
+             "response_format": args.response_format, "date": time.strftime("%Y-%m-%d"), "results": rows},
+            indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
