@@ -7,8 +7,8 @@ pieces of at most 30 s that start and end in pauses.
 Why our own model code: the silero-vad package runs its 512-sample windows one Python call at
 a time (~64x real time on one thread). The model is a convolutional front end applied to each
 window independently, then an LSTM, then a linear head; only the LSTM is sequential. So we run
-the front end over all windows in a few large batched convolutions and the LSTM over the whole
-sequence in one call. Same weights, same numbers within 1e-3, many times faster, which
+the front end over all windows in a few large batched convolutions and the LSTM over each
+block of them in one call. Same weights, same numbers within 1e-3, many times faster, which
 matters on a small CPU server where VAD competes with decoding.
 
 The weights come from the package's silero_vad.jit, the model its load_silero_vad() and
@@ -33,7 +33,7 @@ from asrserve.config import N_SAMPLES, SAMPLE_RATE
 
 WINDOW = 512  # samples per speech probability (32 ms at 16 kHz)
 CONTEXT = 64  # samples of the previous window each window also sees
-BLOCK_WINDOWS = 2048  # front-end batch (~65 s of audio): bounds memory on long audio
+BLOCK_WINDOWS = 2048  # windows per block (~65 s of audio): bounds memory on long audio
 SPLIT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where to look for a dip when speech runs past 30 s
 QUIET_SAMPLES = SAMPLE_RATE // 50  # 20 ms: the span whose energy places a cut inside a dip
 _PACKAGE = "silero_vad"
@@ -128,19 +128,24 @@ class SileroVAD:
 
         samples = np.asarray(samples, dtype=np.float32)
         count = -(-len(samples) // WINDOW)
-        if count == 0:
-            return np.zeros(0, np.float32)
+        probs = np.zeros(count, np.float32)
+        state = None
         with torch.inference_mode(), _one_thread():
-            # Window k sees samples [512k - 64, 512k + 512): zeros before the start, as the
-            # reference's initial context, and zeros after the end, as its padded last window.
-            audio = torch.zeros(CONTEXT + count * WINDOW)
-            audio[CONTEXT : CONTEXT + len(samples)] = torch.from_numpy(samples)
-            windows = audio.unfold(0, WINDOW + CONTEXT, WINDOW)  # [count, 576], a view
-            features = torch.cat(
-                [self._front_end(windows[i : i + BLOCK_WINDOWS]) for i in range(0, count, BLOCK_WINDOWS)]
-            )
-            hidden, _ = self.lstm(features.unsqueeze(0))  # [1, count, 128], the one sequential step
-            return self._head(hidden[0])
+            # Block by block, the LSTM's state carried over: memory stays that of one block
+            # whatever the length (over an hour at once, the padded copy, the features and the
+            # LSTM's gates took ~450 MB more than the audio).
+            for first in range(0, count, BLOCK_WINDOWS):
+                # Window k sees samples [512k - 64, 512k + 512): zeros before the start, as the
+                # reference's initial context, and zeros after the end, as its padded last window.
+                num = min(BLOCK_WINDOWS, count - first)
+                begin = first * WINDOW - CONTEXT
+                audio = torch.zeros(CONTEXT + num * WINDOW)
+                chunk = samples[max(0, begin) : begin + CONTEXT + num * WINDOW]
+                audio[max(0, -begin) : max(0, -begin) + len(chunk)] = torch.from_numpy(chunk)
+                windows = audio.unfold(0, WINDOW + CONTEXT, WINDOW)  # [num, 576], a view
+                hidden, state = self.lstm(self._front_end(windows).unsqueeze(0), state)
+                probs[first : first + num] = self._head(hidden[0])
+        return probs
 
     def _head(self, hidden) -> np.ndarray:
         import torch

@@ -20,6 +20,9 @@ from asrserve.engine.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+# The most audio one "add" message carries (32 pieces of 30 s): messages are pickled whole.
+ADD_MESSAGE_BYTES = 32 * 30 * 16000 * 4
+
 
 class EngineDeadError(RuntimeError):
     """The engine process exited; nothing submitted to it will finish."""
@@ -98,7 +101,9 @@ class AsyncEngineClient:
         ).start()
 
     def add(self, requests: list[EngineRequest]) -> list[RequestStream]:
-        """Submits requests in one message, so the engine can encode them in one forward."""
+        """Submits requests together, so the engine can encode them in one forward: in one
+        message, or in several of at most ADD_MESSAGE_BYTES of audio (an hour's 127 pieces in
+        one message were 230 MB pickled at once here, and again unpickled there)."""
         if not self.is_ready:
             raise EngineDeadError(self.error or "the engine is not ready")
         streams = []
@@ -106,7 +111,15 @@ class AsyncEngineClient:
             assert request.request_id not in self._streams, request.request_id
             stream = self._streams[request.request_id] = RequestStream(request.request_id)
             streams.append(stream)
-        self._outbox.put(("add", requests))
+        message: list[EngineRequest] = []
+        size = 0
+        for request in requests:
+            if message and size + request.audio.nbytes > ADD_MESSAGE_BYTES:
+                self._outbox.put(("add", message))
+                message, size = [], 0
+            message.append(request)
+            size += request.audio.nbytes
+        self._outbox.put(("add", message))
         return streams
 
     def abort(self, request_ids: list[str]) -> None:
