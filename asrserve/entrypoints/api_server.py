@@ -77,7 +77,7 @@ def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         state.metrics.preprocess_queue_depth.set(state.pool.num_queued)
         state.metrics.requests_waiting_http.set(state.num_waiting)
-        state.metrics.audio_seconds_in_flight.set(state.audio_s_in_flight)
+        state.metrics.audio_seconds_in_flight.set(state.audio_ms_in_flight / 1000)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

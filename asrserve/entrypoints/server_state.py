@@ -35,7 +35,7 @@ class ServerState:
         self.api_key_digests = [api_key_digest(key) for key in config.api_keys]  # once, not per request
         self.tokenizer: WhisperTokenizer | None = None
         self.num_waiting = 0  # accepted transcriptions that have produced no text yet
-        self.audio_s_in_flight = 0.0  # decoded audio held by transcriptions (--max-audio-in-flight-s)
+        self.audio_ms_in_flight = 0  # decoded audio held by transcriptions (--max-audio-in-flight-s)
         self.uvicorn_server = None  # set by run_server, so that a dead engine can stop it
         self.exit_code = 0
 

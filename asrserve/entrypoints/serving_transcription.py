@@ -158,19 +158,22 @@ class _AudioHeld:
     waiting alone does not bound memory once uploads are hours long."""
 
     def __init__(self, state: ServerState, seconds: float):
-        in_flight, limit = state.audio_s_in_flight, state.config.max_audio_in_flight_s
-        if in_flight and in_flight + seconds > limit:  # (alone, any accepted duration goes in)
+        # Whole milliseconds: a float sum would not come back to exactly 0 (a lone request
+        # always goes in, whatever its length).
+        in_flight_ms, self.ms = state.audio_ms_in_flight, round(seconds * 1000)
+        limit = state.config.max_audio_in_flight_s
+        if in_flight_ms and in_flight_ms + self.ms > limit * 1000:
             raise APIError(
-                429, f"the server holds {in_flight:.0f} s of audio in flight, and this file's {seconds:.0f} s would "
-                f"pass its limit of {limit:.0f} s; retry shortly", type="rate_limit_error", code="server_busy",
+                429, f"the server holds {in_flight_ms / 1000:.0f} s of audio in flight, and this file's {seconds:.0f} s "
+                f"would pass its limit of {limit:.0f} s; retry shortly", type="rate_limit_error", code="server_busy",
                 headers={"Retry-After": "5"},
             )
-        self.state, self.seconds = state, seconds
-        state.audio_s_in_flight += seconds
+        self.state = state
+        state.audio_ms_in_flight += self.ms
 
     def release(self) -> None:
-        self.state.audio_s_in_flight -= self.seconds
-        self.seconds = 0.0
+        self.state.audio_ms_in_flight -= self.ms
+        self.ms = 0
 
 
 async def _transcribe(
