@@ -84,6 +84,21 @@ def _assert_scores_alone_equal_scores_together(engine, audios, prefix: str) -> N
     ids = _submit_all(engine, audios, f"{prefix}-together")
     together = _scores_by_request(engine)
     assert [together[i] for i in ids] == alone
+    # Arriving one after another: each one's prompt rows share steps with the others' decode
+    # rows (a decode row beside a 4-token prompt used to differ from itself alone by a bit).
+    logprobs: dict[str, list[float]] = {}
+    no_speech: dict[str, float | None] = {}
+    pending = [(f"{prefix}-staggered-{i}", audio) for i, audio in enumerate(audios)]
+    while pending or engine.has_work():
+        if pending:
+            engine.add_request(*pending.pop(0))
+        for _ in range(2):  # two steps between arrivals
+            for output in engine.step() if engine.has_work() else []:
+                logprobs.setdefault(output.request_id, []).extend(output.new_logprobs)
+                if output.summary is not None:
+                    no_speech[output.request_id] = output.summary.no_speech_prob
+    staggered = [(logprobs[f"{prefix}-staggered-{i}"], no_speech[f"{prefix}-staggered-{i}"]) for i in range(len(audios))]
+    assert staggered == alone
     assert_idle_and_clean(engine)
 
 

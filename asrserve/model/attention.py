@@ -137,6 +137,7 @@ class AttentionMetadata:
     # sequence, and how many of its keys it sees.
     token_seqs: torch.Tensor | None = None
     token_keys: torch.Tensor | None = None
+    query_lens: list[int] | None = None  # [num_seqs] each sequence's new tokens (host side)
 
 
 def write_kv(
@@ -174,7 +175,7 @@ def paged_attention(
     if query.device.type == "cpu" and query.dtype != torch.float32:
         out = _attention_head_major(queries, keys, values, attn_mask, buffers)
     elif query.device.type == "cpu":
-        out = _self_attention_one_sequence_at_a_time(queries, keys, values, attn_mask)
+        out = _self_attention_one_sequence_at_a_time(queries, keys, values, attn_mask, metadata.query_lens)
     else:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
@@ -183,20 +184,23 @@ def paged_attention(
 
 
 def _self_attention_one_sequence_at_a_time(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor, query_lens=None
 ) -> torch.Tensor:
     """[N, Q, H, D] queries over [N, K, H, D] gathered keys -> [N, H, Q, D], one SDPA call per
-    sequence over its own keys only (see _sdpa_one_slot_at_a_time: the batched CPU kernel's
-    rounding depends on the batch, and on the padded key length, both set by the neighbours).
+    sequence over its own keys and query rows (past query_lens: left zero). The CPU kernel's
+    rounding depends on the batch, the key length and the query rows, all set by neighbours
+    (_sdpa_one_slot_at_a_time): a decode row padded to a neighbour's prompt length moved a bit.
     A sequence's keys are a prefix, as long as the most any of its query rows may see."""
+    num_seqs, max_query_len, num_heads, head_dim = queries.shape
     lengths = attn_mask.any(dim=2).sum(dim=-1).flatten().tolist()  # [N] keys each sequence uses
-    outputs = []
-    for i, length in enumerate(lengths):
-        outputs.append(F.scaled_dot_product_attention(
-            queries[i:i + 1].transpose(1, 2), keys[i:i + 1, :length].transpose(1, 2),
-            values[i:i + 1, :length].transpose(1, 2), attn_mask=attn_mask[i:i + 1, ..., :length],
-        ))
-    return torch.cat(outputs)
+    out = queries.new_zeros(num_seqs, num_heads, max_query_len, head_dim)
+    rows = query_lens or [max_query_len] * num_seqs
+    for i, (length, q) in enumerate(zip(lengths, rows)):
+        out[i:i + 1, :, :q] = F.scaled_dot_product_attention(
+            queries[i:i + 1, :q].transpose(1, 2), keys[i:i + 1, :length].transpose(1, 2),
+            values[i:i + 1, :length].transpose(1, 2), attn_mask=attn_mask[i:i + 1, :, :q, :length],
+        )
+    return out
 
 
 def _padded_queries(query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

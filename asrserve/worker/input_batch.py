@@ -111,6 +111,7 @@ class DecoderInputBuilder:
             decode_kernels=decode_kernels,
             context_lens=context_lens_t if decode_kernels else None,
             cross_slot_ids=self._tensor(np.asarray(cross_slots)) if decode_kernels else None,
+            query_lens=query_lens,
         )
         if self.cpu_self_kernel:
             metadata.token_seqs = self._tensor(seq_of_token)
