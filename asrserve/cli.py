@@ -41,7 +41,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
                        "captured at start-up")
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="requests decoded together per step (default: 256 on CUDA, 64 on CPU)")
-    group.add_argument("--max-encoder-batch", type=int, default=8, help="audios per encoder forward")
+    group.add_argument("--max-encoder-batch", type=int, default=None, help="audios per encoder forward (CPU 1, CUDA 8)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="memory for the KV pool")

@@ -124,8 +124,11 @@ class SchedulerConfig:
     # Requests decoded together in one step. None: 256 on CUDA (large-v3-turbo on an H100: RTFx
     # 4129 at 256 against 3353 at 64, docs/benchmarks.md), 64 elsewhere (EngineCore resolves it).
     max_num_seqs: int | None = None
-    # Audios one encoder forward takes: the per-step encoder budget.
-    max_encoder_batch: int = 8
+    # Audios one encoder forward takes: the per-step encoder budget. None: 1 on CPU, 8
+    # elsewhere (resolve_scheduler). A CPU's encoder runs one audio after another, so a batch
+    # of 8 saves nothing there and only stretches a step to ~8 forwards, during which every
+    # running decode waits: a streamed hour's first text came after several such steps.
+    max_encoder_batch: int | None = None
     # The budget while a live session's decode waits or runs. None: 1 on CPU, whose encoder
     # runs one audio after another (a step of 8 audios made a turn's final decode wait ~1 s
     # behind other audios' forwards; one a step lets it in after at most one), and
@@ -140,24 +143,27 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.batch_admit_interval_s < 0:
             raise ValueError("batch_admit_interval_s must be >= 0")
-        if (self.max_num_seqs is not None and self.max_num_seqs < 1) or self.max_encoder_batch < 1:
-            raise ValueError("max_num_seqs and max_encoder_batch must be at least 1")
-        if self.interactive_encoder_batch is not None and self.interactive_encoder_batch < 1:
-            raise ValueError("interactive_encoder_batch must be at least 1")
-        if self.encoder_cache_size is None:
-            self.encoder_cache_size = self.max_encoder_batch
-        if self.encoder_cache_size < 1:
-            raise ValueError("encoder_cache_size must be at least 1")
+        for name in ("max_num_seqs", "max_encoder_batch", "interactive_encoder_batch", "encoder_cache_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
 
 
 def default_max_num_seqs(device: "torch.device") -> int:
     return 256 if device.type == "cuda" else 64
 
 
+def default_max_encoder_batch(device: "torch.device") -> int:
+    return 1 if device.type == "cpu" else 8
+
+
 def resolve_scheduler(config: SchedulerConfig, device: "torch.device") -> SchedulerConfig:
     """The device's defaults for what was left None."""
     if config.max_num_seqs is None:
         config = replace(config, max_num_seqs=default_max_num_seqs(device))
+    if config.max_encoder_batch is None:
+        config = replace(config, max_encoder_batch=default_max_encoder_batch(device))
+    if config.encoder_cache_size is None:
+        config = replace(config, encoder_cache_size=config.max_encoder_batch)
     if config.interactive_encoder_batch is None:
         config = replace(config, interactive_encoder_batch=1 if device.type == "cpu" else config.max_encoder_batch)
     return config

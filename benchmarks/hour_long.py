@@ -2,7 +2,8 @@
 `asrserve serve` at its default limits, OpenAI's defaults otherwise.
 
     python benchmarks/hour_long.py [--model tiny.en] [--response-format verbose_json]
-        [--faster-whisper] [--save-result hour_long.json]
+        [--faster-whisper] [--copies 4] [--stream] [--server-args "--max-encoder-batch 8"]
+        [--save-result hour_long.json]
 
 The hour is benchmarks/long_form.py's real-en set (the English recordings of ../shared/audio
 joined with short pauses, ~15 minutes) four times over, files joined with 1 s of room tone,
@@ -10,7 +11,9 @@ encoded at 48 kbps (22 MB). Reports the wall time and RTFx of the one request, t
 the joined references, whether the segments' times run in order and end inside the audio, and
 the peak resident memory of the server's processes (sampled every 0.2 s). --faster-whisper
 adds faster-whisper's sequential long-form decoding of the same hour (int8, 2 threads, greedy,
-its defaults otherwise) as the accuracy and speed reference.
+its defaults otherwise) as the accuracy and speed reference. --copies 1 sends the ~15 minutes
+once; --stream asks for server-sent text deltas (stream=true) and also reports the time to the
+first delta; --server-args adds `asrserve serve` arguments.
 """
 
 from __future__ import annotations
@@ -81,8 +84,29 @@ def wer_of(reference: str, text: str) -> dict:
     return {"wer": round(100 * errors / len(ref), 2), "errors": errors, "ref_words": len(ref), "hyp_words": len(hyp)}
 
 
-def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, response_format: str) -> dict:
-    process = ServerProcess([model, "--no-access-log"])
+def post(url: str, model: str, mp3: bytes, response_format: str, stream: bool) -> tuple[dict, float | None]:
+    """The response body (for a stream: its text joined from the deltas) and, streamed, the
+    seconds to the first text delta."""
+    form = {"model": model, "response_format": response_format}
+    if not stream:
+        response = httpx.post(url, files={"file": ("hour.mp3", mp3)}, data=form, timeout=3600)
+        response.raise_for_status()
+        return response.json(), None
+    started, first, deltas = time.perf_counter(), None, []
+    with httpx.stream("POST", url, files={"file": ("hour.mp3", mp3)}, data=form | {"stream": "true"},
+                      timeout=3600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            event = json.loads(line[5:]) if line.startswith("data:") and line[5:].strip() != "[DONE]" else {}
+            if event.get("type") == "transcript.text.delta":
+                first = first if first is not None else time.perf_counter() - started
+                deltas.append(event["delta"])
+    return {"text": "".join(deltas)}, first
+
+
+def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, response_format: str,
+                  stream: bool = False, server_args: tuple[str, ...] = ()) -> dict:
+    process = ServerProcess([model, "--no-access-log", *server_args])
     try:
         url = process.wait_ready(timeout=300).url
         idle_mb = process_tree_rss_mb(process.process.pid)
@@ -97,15 +121,17 @@ def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, respon
         sampler = threading.Thread(target=sample)
         sampler.start()
         started = time.perf_counter()
-        response = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("hour.mp3", mp3)},
-                              data={"model": model, "response_format": response_format}, timeout=3600)
-        wall = time.perf_counter() - started
-        done.set()
-        sampler.join()
-        response.raise_for_status()
-        body = response.json()
-        row = {"system": "asrserve-http", "wall_s": round(wall, 2), "rtfx": round(seconds / wall, 1),
+        try:
+            body, first_delta = post(f"{url}/v1/audio/transcriptions", model, mp3, response_format, stream)
+        finally:
+            wall = time.perf_counter() - started
+            done.set()
+            sampler.join()
+        row = {"system": "asrserve-http", "server_args": list(server_args), "stream": stream,
+               "wall_s": round(wall, 2), "rtfx": round(seconds / wall, 1),
                "idle_rss_mb": round(idle_mb), "peak_rss_mb": round(peak[0]), **wer_of(reference, body["text"])}
+        if first_delta is not None:
+            row["first_delta_s"] = round(first_delta, 2)
         if "segments" in body:
             segments = body["segments"]
             row["segments"] = len(segments)
@@ -131,13 +157,19 @@ def main() -> None:
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--response-format", default="json", choices=["json", "verbose_json"])
     parser.add_argument("--faster-whisper", action="store_true")
+    parser.add_argument("--copies", type=int, default=4, help="copies of the ~15 min real-en set (4: an hour)")
+    parser.add_argument("--stream", action="store_true", help="stream=true: text deltas as server-sent events")
+    parser.add_argument("--server-args", default="", help="more `asrserve serve` arguments, e.g. '--max-encoder-batch 8'")
     parser.add_argument("--save-result", type=Path, default=None)
     args = parser.parse_args()
-    audio, reference = build_hour()
+    if args.stream and args.response_format != "json":
+        parser.error("--stream sends text deltas: use it with --response-format json")
+    audio, reference = build_hour(args.copies)
     seconds = len(audio) / SAMPLE_RATE
     mp3 = to_mp3(audio)
     print(f"{seconds:.0f} s of audio, {len(mp3) / 2**20:.1f} MB as MP3")
-    rows = [asrserve_http(args.model, mp3, seconds, reference, args.response_format)]
+    rows = [asrserve_http(args.model, mp3, seconds, reference, args.response_format, args.stream,
+                          tuple(args.server_args.split()))]
     if args.faster_whisper:
         rows.append(faster_whisper_sequential(args.model, audio, seconds, reference))
     for row in rows:
@@ -145,7 +177,8 @@ def main() -> None:
     if args.save_result:
         args.save_result.write_text(json.dumps(
             {"model": args.model, "seconds": seconds, "mp3_mb": round(len(mp3) / 2**20, 1),
-             "response_format": args.response_format, "date": time.strftime("%Y-%m-%d"), "results": rows},
+             "response_format": args.response_format, "stream": args.stream, "copies": args.copies,
+             "date": time.strftime("%Y-%m-%d"), "results": rows},
             indent=1) + "\n")
 
 

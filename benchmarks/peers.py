@@ -26,6 +26,8 @@ tokens, tiny.en drops whole sentences of a dense 30 s window, and every system's
                              generator at --concurrency (default 8)
   asrserve-http-bf16-encoder the same with `--encoder-quantization none` (the encoder's linears
                              in bf16, not int8)
+  asrserve-http-encoder-batch-1 / -8   the same with `--max-encoder-batch 1` / `8` (on CPU the
+                             default is 1)
   transformers               `WhisperForConditionalGeneration.generate`, batched; its best batch
                              size of 8/16/32 (long-form generation for the long workload)
   faster-whisper-*           one file at a time (int8, float32); int8 with two workers on one
@@ -85,7 +87,7 @@ FALLBACK = True  # --decoding defaults; main sets it, and passes it to its worke
 
 
 def asrserve_offline(dtype: str, timestamps: bool):
-    asr = ASR(dtype=dtype, max_num_seqs=64, max_encoder_batch=8)
+    asr = ASR(dtype=dtype, max_num_seqs=64)
     run = lambda audios: [t.text for t in asr.transcribe(audios, fallback=FALLBACK, timestamps=timestamps)]  # noqa: E731
     return {"dtype": dtype, "timestamps": timestamps}, run
 
@@ -159,7 +161,9 @@ FACTORIES = {
     "faster-whisper-batched-int8": lambda long: faster_whisper("int8", timestamps=long, batched=True),
 }
 # The asrserve-http systems: `asrserve serve`'s arguments beyond the common ones.
-HTTP_SYSTEMS = {"asrserve-http": [], "asrserve-http-bf16-encoder": ["--encoder-quantization", "none"]}
+HTTP_SYSTEMS = {"asrserve-http": [], "asrserve-http-bf16-encoder": ["--encoder-quantization", "none"],
+                "asrserve-http-encoder-batch-1": ["--max-encoder-batch", "1"],
+                "asrserve-http-encoder-batch-8": ["--max-encoder-batch", "8"]}
 SYSTEMS = ["asrserve-offline", "asrserve-offline-fp32", *HTTP_SYSTEMS, *list(FACTORIES)[2:]]
 
 

@@ -455,7 +455,7 @@ def test_a_decoder_prefix_is_continued_and_live_decodes_go_first(tiny_en_engine,
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_a_final_decode_goes_ahead_of_interims_one_audio_a_step_while_live_work_waits(tiny_en_engine, speech_audio):
+def test_a_final_decode_goes_ahead_of_interims_one_audio_a_step_while_live_work_waits(speech_audio):
     """An urgent request (a turn's final decode) is admitted ahead of interactive requests
     queued before it, and while one decodes nothing else is admitted (each admission would
     put an encoder forward into its steps); then interims, then file work gets its share.
@@ -466,10 +466,10 @@ def test_a_final_decode_goes_ahead_of_interims_one_audio_a_step_while_live_work_
     from asrserve.engine.waiting_queue import LIVE_PAUSE_S
 
     # The one-audio encoder batch is the CPU's policy (on CUDA the whole budget serves live
-    # work too: test_max_num_seqs_defaults_to_64_on_cpu): where the suite's engines run on a
-    # GPU, this test runs its own on the CPU.
-    on_cpu = tiny_en_engine.device.type == "cpu"
-    engine = tiny_en_engine if on_cpu else EngineCore(engine_config(dtype="float32", device="cpu"))
+    # work too: test_max_num_seqs_defaults_to_64_on_cpu), for a CPU engine given a budget of
+    # several audios (its default is one: then the live policy changes nothing), so this test
+    # runs its own.
+    engine = EngineCore(engine_config(dtype="float32", device="cpu", max_encoder_batch=8))
     config = engine.scheduler.config
     assert config.interactive_encoder_batch == 1 < config.max_encoder_batch
     admissions = []
@@ -523,12 +523,21 @@ def test_max_num_seqs_defaults_to_64_on_cpu(tiny_en_engine):
     assert tiny_en_engine.config.scheduler.max_num_seqs == expected == tiny_en_engine.scheduler.config.max_num_seqs
     assert default_max_num_seqs(torch.device("cpu")) == 64
     assert default_max_num_seqs(torch.device("cuda")) == 256
+    # the encoder budget: one audio a step on CPU (whose encoder runs one audio after another),
+    # 8 on CUDA; the encoder cache holds one step's worth
+    assert SchedulerConfig().max_encoder_batch is None
+    cpu = resolve_scheduler(SchedulerConfig(), torch.device("cpu"))
+    assert (cpu.max_encoder_batch, cpu.encoder_cache_size) == (1, 1)
+    cuda = resolve_scheduler(SchedulerConfig(), torch.device("cuda"))
+    assert (cuda.max_encoder_batch, cuda.encoder_cache_size) == (8, 8)
+    assert tiny_en_engine.scheduler.config.max_encoder_batch == (1 if tiny_en_engine.device.type == "cpu" else 8)
+    assert tiny_en_engine.encoder_cache.capacity == tiny_en_engine.scheduler.config.max_encoder_batch
     # the encoder budget while live work waits: one audio on CPU, the whole budget on CUDA
     assert SchedulerConfig().interactive_encoder_batch is None
     config = tiny_en_engine.scheduler.config
     assert config.interactive_encoder_batch == (1 if tiny_en_engine.device.type == "cpu" else config.max_encoder_batch)
     cuda = resolve_scheduler(SchedulerConfig(max_encoder_batch=16), torch.device("cuda"))
-    assert (cuda.max_num_seqs, cuda.interactive_encoder_batch) == (256, 16)
+    assert (cuda.max_num_seqs, cuda.interactive_encoder_batch, cuda.encoder_cache_size) == (256, 16, 16)
     assert resolve_scheduler(SchedulerConfig(interactive_encoder_batch=2), torch.device("cpu")).interactive_encoder_batch == 2
 
 

@@ -34,9 +34,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server():
     process = ServerProcess(
-        # float32: the server's texts are compared with offline float32 transcription, exactly
+        # float32: the server's texts are compared with offline float32 transcription, exactly;
+        # an encoder budget of several audios (the CPU's default is one) checks batched forwards
         ["--api-key", *API_KEYS, "--served-model-name", "tiny.en", "whisper-1", "--max-audio-duration-s", "200",
-         "--dtype", "float32"]
+         "--dtype", "float32", "--max-encoder-batch", "8"]
     )
     try:
         yield process.wait_ready()

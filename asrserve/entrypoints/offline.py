@@ -83,7 +83,7 @@ class ASR:
         device: str = "auto",
         load_format: str = "auto",
         max_num_seqs: int | None = None,
-        max_encoder_batch: int = 8,
+        max_encoder_batch: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
