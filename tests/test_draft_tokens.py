@@ -156,7 +156,8 @@ def test_requests_checking_drafts_side_by_side_through_preemptions(tiny_en_engin
 
     clips = speech_audio[1:9]
     plain = {index: _decode(tiny_en_engine, f"alone-plain-{index}", audio)[0] for index, audio in enumerate(clips)}
-    engine = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=3 * 375 + 4))
+    # Admitted together (the CPU's default is one a step), they run out of self-attention blocks.
+    engine = EngineCore(engine_config(dtype="float32", block_size=4, num_kv_blocks=3 * 375 + 4, max_encoder_batch=8))
     # Every other request's draft is wrong: it grows one token a step, beside requests that
     # take blocks for many tokens at once, so the pool runs out.
     eot = tiny_en_engine.tokenizer.special.eot
