@@ -30,7 +30,8 @@ def engine(dtype: str, packed: bool, max_num_seqs: int) -> EngineCore:
         model_runner.pack_decoder_linears = lambda *args, **kwargs: False
     try:
         config = EngineConfig(model=ModelConfig(dtype=dtype), cache=CacheConfig(),
-                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+                              # every copy admitted in the first step, so that they decode in lockstep
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_encoder_batch=max_num_seqs))
         core = EngineCore(config)
     finally:
         model_runner.pack_decoder_linears = pack
