@@ -387,6 +387,37 @@ def test_fallback_temperatures_decode_at_once_over_shared_blocks():
     assert_nothing_held(scheduler)
 
 
+def test_beside_other_requests_fallback_opens_two_levels_at_a_time_with_the_same_outcome():
+    """Alone, every fallback level opens when the greedy decode fails (the test above); beside
+    another request only LEVELS_AHEAD_UNDER_LOAD levels past the lowest undecided one decode,
+    the next opening as one fails, and the request ends as it would alone."""
+    from asrserve.engine.decode_group import LEVELS_AHEAD_UNDER_LOAD
+
+    lengths = {0.0: 3, 0.2: 4, 0.4: 6, 0.6: 5, 0.8: 5, 1.0: 5}
+    model = fails_until(passing=0.6, length_by_temperature=lengths)
+    alone = make_scheduler()
+    alone.add(make_request("a", params=SamplingParams(fallback_temperatures=FALLBACK)))
+    alone_final = run_to_end(alone, model)[0][-1]
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", params=SamplingParams(fallback_temperatures=FALLBACK)))
+    scheduler.add(make_request("other", max_tokens=40))  # runs beside it
+    temperatures_per_step, outputs = [], []
+    while scheduler.has_unfinished_requests():
+        output, step_outputs = step_model(scheduler, lambda r: (1000, -0.1) if r.request_id == "other" else model(r))
+        temperatures_per_step.append(sorted(r.temperature for r in output.scheduled if (r.primary or r).request_id == "a"))
+        outputs += [o for o in step_outputs if o.request_id == "a"]
+    final = outputs[-1]
+    assert final.finished and final.summary.temperature == alone_final.summary.temperature == 0.6
+    assert final.new_token_ids == alone_final.new_token_ids
+    assert max(len(t) for t in temperatures_per_step) == LEVELS_AHEAD_UNDER_LOAD
+    # 0.2 and 0.4 first (the sibling a step after the request's own restart, as alone); 0.6
+    # once 0.2 has failed (beside 0.4); 0.8 only once 0.4 has failed too
+    assert [0.2, 0.4] in temperatures_per_step and [0.4, 0.6] in temperatures_per_step
+    first = {t: next(i for i, ts in enumerate(temperatures_per_step) if t in ts) for t in (0.2, 0.4, 0.6, 0.8)}
+    assert first[0.2] + 1 == first[0.4] < first[0.6] < first[0.8]
+    assert_nothing_held(scheduler)
+
+
 def test_the_first_passing_temperature_in_order_wins():
     # 0.4 and 0.6 both pass; 0.6 finishes first, 0.4 later, 0.8 and 1.0 would run long.
     lengths = {0.0: 3, 0.2: 6, 0.4: 12, 0.6: 4, 0.8: 200, 1.0: 200}

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from asrserve.config import SchedulerConfig
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
-from asrserve.engine.decode_group import DecodeGroup
+from asrserve.engine.decode_group import LEVELS_AHEAD_UNDER_LOAD, DecodeGroup
 from asrserve.engine.draft import DraftCounts, attach, can_check, detach
 from asrserve.engine.fallback import is_looping, is_silence, summarize
 from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
@@ -117,10 +117,11 @@ class Scheduler:
         for request in output.scheduled:
             if can_check(request):  # a live decode's guess at its next tokens (draft.py)
                 attach(request, self.block_manager, self.max_model_len)
-        # Usually none: only requests in fallback or best_of have samples waiting.
-        pending = [
-            r for r in (*self.running, *self.parked) if not r.is_sibling and r.group.next_unassigned() is not None
-        ]
+        # Usually none: only fallback or best_of has samples waiting (alone: all levels at once).
+        primaries = [r for r in (*self.running, *self.parked) if not r.is_sibling]
+        for request in primaries:
+            request.group.levels_ahead = None if len(primaries) + len(self.waiting) == 1 else LEVELS_AHEAD_UNDER_LOAD
+        pending = [r for r in primaries if r.group.next_unassigned() is not None]
         for request in sorted(pending, key=lambda r: r.order):
             while self._can_start_sibling(request):
                 sibling = self._start_sibling(request)
