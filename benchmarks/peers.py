@@ -26,8 +26,7 @@ tokens, tiny.en drops whole sentences of a dense 30 s window, and every system's
                              generator at --concurrency (default 8)
   asrserve-http-bf16-encoder the same with `--encoder-quantization none` (the encoder's linears
                              in bf16, not int8)
-  asrserve-http-encoder-batch-1 / -8   the same with `--max-encoder-batch 1` / `8` (on CPU the
-                             default is 1)
+  asrserve-http-encoder-batch-8   the same with `--max-encoder-batch 8` (on CPU the default is 1)
   transformers               `WhisperForConditionalGeneration.generate`, batched; its best batch
                              size of 8/16/32 (long-form generation for the long workload)
   faster-whisper-*           one file at a time (int8, float32); int8 with two workers on one
@@ -162,7 +161,6 @@ FACTORIES = {
 }
 # The asrserve-http systems: `asrserve serve`'s arguments beyond the common ones.
 HTTP_SYSTEMS = {"asrserve-http": [], "asrserve-http-bf16-encoder": ["--encoder-quantization", "none"],
-                "asrserve-http-encoder-batch-1": ["--max-encoder-batch", "1"],
                 "asrserve-http-encoder-batch-8": ["--max-encoder-batch", "8"]}
 SYSTEMS = ["asrserve-offline", "asrserve-offline-fp32", *HTTP_SYSTEMS, *list(FACTORIES)[2:]]
 

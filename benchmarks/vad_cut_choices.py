@@ -17,45 +17,20 @@ decoded in separate windows (none: pieces fill up to 30 s whatever the pauses, t
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import soundfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asrserve.audio.vad as vad
 from asrserve import ASR
-from asrserve.audio.chunking import AudioPiece, ChunkingStrategy
-from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from asrserve.audio.chunking import ChunkingStrategy
 from benchmarks.long_form import build_sets, normalizer_for, score
-
-
-def pieces_ending_at_long_pauses(max_gap_s: float):
-    """vad_pieces, except that a piece is not extended over a pause of max_gap_s or more."""
-    max_gap = max_gap_s * SAMPLE_RATE
-
-    def cut(samples, threshold=vad.DEFAULT_THRESHOLD, prefix_padding_ms=vad.DEFAULT_PREFIX_PADDING_MS,
-            silence_duration_ms=vad.DEFAULT_SILENCE_DURATION_MS, max_samples=N_SAMPLES,
-            min_speech_ms=vad.DEFAULT_MIN_SPEECH_MS, *, probs=None):
-        samples = np.asarray(samples, dtype=np.float32)
-        probs = vad.speech_probabilities(samples) if probs is None else np.asarray(probs)
-        pad = math.ceil(SAMPLE_RATE * prefix_padding_ms / 1000) + 1
-        raw = vad._raw_regions(probs, len(samples), threshold, silence_duration_ms, min_speech_ms)
-        raw = [part for s, e in raw for part in vad._split_long(s, e, probs, samples, max_samples - 2 * pad)]
-        spans: list[list[int]] = []  # [start, end, end of the speech in it]
-        for (start, end), (speech_start, speech_end) in zip(vad._pad(raw, len(samples), prefix_padding_ms), raw):
-            if spans and end - spans[-1][0] <= max_samples and speech_start - spans[-1][2] < max_gap:
-                spans[-1][1:] = [end, speech_end]
-            else:
-                spans.append([start, end, speech_end])
-        return [AudioPiece(start, samples[start:end]) for start, end, _ in spans if end > start]
-
-    return cut
 
 
 def main() -> None:
@@ -72,7 +47,7 @@ def main() -> None:
     asr = ASR(args.model)
     default_cut = vad.vad_pieces
     for gap in [None if g == "none" else float(g) for g in args.max_gap_s.split(",")]:
-        vad.vad_pieces = default_cut if gap is None else pieces_ending_at_long_pauses(gap)
+        vad.vad_pieces = default_cut if gap is None else functools.partial(default_cut, max_gap_ms=1000 * gap)
         for padding in [int(p) for p in args.prefix_padding_ms.split(",")]:
             strategy = ChunkingStrategy("server_vad", prefix_padding_ms=padding)
             for name, files in sets.items():

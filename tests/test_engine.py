@@ -51,12 +51,18 @@ def test_tokens_do_not_depend_on_the_batch(tiny_en_engine, speech_audio, alone_t
     assert_idle_and_clean(tiny_en_engine)
 
 
-def _scores_by_request(engine) -> dict[str, tuple[list[float], float | None]]:
-    """Each request's per-token log-probabilities and its P(no speech)."""
+def _scores_by_request(engine, arrivals=(), steps_apart: int = 2) -> dict[str, tuple[list[float], float | None]]:
+    """Each request's per-token log-probabilities and its P(no speech). arrivals: (id, audio)
+    added one every steps_apart steps while the engine runs."""
     logprobs: dict[str, list[float]] = {}
     no_speech: dict[str, float | None] = {}
-    while engine.has_work():
-        for output in engine.step():
+    arrivals = list(arrivals)
+    step = 0
+    while arrivals or engine.has_work():
+        if arrivals and step % steps_apart == 0:
+            engine.add_request(*arrivals.pop(0))
+        step += 1
+        for output in engine.step() if engine.has_work() else []:
             logprobs.setdefault(output.request_id, []).extend(output.new_logprobs)
             if output.summary is not None:
                 no_speech[output.request_id] = output.summary.no_speech_prob
@@ -86,19 +92,9 @@ def _assert_scores_alone_equal_scores_together(engine, audios, prefix: str) -> N
     assert [together[i] for i in ids] == alone
     # Arriving one after another: each one's prompt rows share steps with the others' decode
     # rows (a decode row beside a 4-token prompt used to differ from itself alone by a bit).
-    logprobs: dict[str, list[float]] = {}
-    no_speech: dict[str, float | None] = {}
-    pending = [(f"{prefix}-staggered-{i}", audio) for i, audio in enumerate(audios)]
-    while pending or engine.has_work():
-        if pending:
-            engine.add_request(*pending.pop(0))
-        for _ in range(2):  # two steps between arrivals
-            for output in engine.step() if engine.has_work() else []:
-                logprobs.setdefault(output.request_id, []).extend(output.new_logprobs)
-                if output.summary is not None:
-                    no_speech[output.request_id] = output.summary.no_speech_prob
-    staggered = [(logprobs[f"{prefix}-staggered-{i}"], no_speech[f"{prefix}-staggered-{i}"]) for i in range(len(audios))]
-    assert staggered == alone
+    ids = [f"{prefix}-staggered-{i}" for i in range(len(audios))]
+    staggered = _scores_by_request(engine, zip(ids, audios))
+    assert [staggered[i] for i in ids] == alone
     assert_idle_and_clean(engine)
 
 

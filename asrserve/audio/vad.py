@@ -314,11 +314,14 @@ def vad_pieces(
     min_speech_ms: float = DEFAULT_MIN_SPEECH_MS,
     *,
     probs: np.ndarray | None = None,
+    max_gap_ms: float | None = None,
 ) -> list[AudioPiece]:
     """The speech in 16 kHz mono `samples` as pieces of at most `max_samples`, in order, not
     overlapping, cut only between speech regions (or, inside a region longer than that, at its
     lowest-probability point). Audio between pieces is not speech and is left out; no speech
-    at all gives []. Parameters are those of OpenAI's server_vad chunking strategy."""
+    at all gives []. Parameters are those of OpenAI's server_vad chunking strategy; max_gap_ms
+    (None: no limit; measured in benchmarks/vad_cut_choices.py, not a default) also ends a
+    piece before a pause at least that long."""
     samples = np.asarray(samples, dtype=np.float32)
     probs = speech_probabilities(samples) if probs is None else np.asarray(probs)
     pad = math.ceil(SAMPLE_RATE * prefix_padding_ms / 1000) + 1  # + 1: _pad rounds its ends
@@ -328,10 +331,11 @@ def vad_pieces(
     # Split before padding, so that each part is still <= max_samples once padded and no cut
     # falls in the padding (which would leave a piece of bare silence).
     raw = [part for start, end in raw for part in _split_long(start, end, probs, samples, max_samples - 2 * pad)]
-    spans: list[list[int]] = []
-    for start, end in _pad(raw, len(samples), prefix_padding_ms):  # WhisperX's cut & merge
-        if spans and end - spans[-1][0] <= max_samples:
-            spans[-1][1] = end
+    max_gap = math.inf if max_gap_ms is None else SAMPLE_RATE * max_gap_ms / 1000
+    spans: list[list[int]] = []  # [start, end, where the speech in it ends]
+    for (start, end), (speech_start, speech_end) in zip(_pad(raw, len(samples), prefix_padding_ms), raw):
+        if spans and end - spans[-1][0] <= max_samples and speech_start - spans[-1][2] < max_gap:
+            spans[-1][1:] = [end, speech_end]  # WhisperX's cut & merge
         else:
-            spans.append([start, end])
-    return [AudioPiece(start, samples[start:end]) for start, end in spans if end > start]
+            spans.append([start, end, speech_end])
+    return [AudioPiece(start, samples[start:end]) for start, end, _ in spans if end > start]
