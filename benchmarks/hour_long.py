@@ -3,7 +3,7 @@
 
     python benchmarks/hour_long.py [--model tiny.en] [--response-format verbose_json]
         [--faster-whisper] [--copies 4] [--stream] [--server-args "--max-encoder-batch 8"]
-        [--save-result hour_long.json]
+        [--uploads 4] [--save-result hour_long.json]
 
 The hour is benchmarks/long_form.py's real-en set (the English recordings of ../shared/audio
 joined with short pauses, ~15 minutes) four times over, files joined with 1 s of room tone,
@@ -13,7 +13,8 @@ the peak resident memory of the server's processes (sampled every 0.2 s). --fast
 adds faster-whisper's sequential long-form decoding of the same hour (int8, 2 threads, greedy,
 its defaults otherwise) as the accuracy and speed reference. --copies 1 sends the ~15 minutes
 once; --stream asks for server-sent text deltas (stream=true) and also reports the time to the
-first delta; --server-args adds `asrserve serve` arguments.
+first delta; --server-args adds `asrserve serve` arguments; --uploads N posts the file N times
+at once (throughput: RTFx over all N, WER of the first, whether all N texts are the same).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -105,7 +107,7 @@ def post(url: str, model: str, mp3: bytes, response_format: str, stream: bool) -
 
 
 def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, response_format: str,
-                  stream: bool = False, server_args: tuple[str, ...] = ()) -> dict:
+                  stream: bool = False, server_args: tuple[str, ...] = (), uploads: int = 1) -> dict:
     process = ServerProcess([model, "--no-access-log", *server_args])
     try:
         url = process.wait_ready(timeout=300).url
@@ -122,14 +124,20 @@ def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, respon
         sampler.start()
         started = time.perf_counter()
         try:
-            body, first_delta = post(f"{url}/v1/audio/transcriptions", model, mp3, response_format, stream)
+            with ThreadPoolExecutor(uploads) as pool:
+                results = list(pool.map(
+                    lambda _: post(f"{url}/v1/audio/transcriptions", model, mp3, response_format, stream), range(uploads)
+                ))
+            body, first_delta = results[0]
         finally:
             wall = time.perf_counter() - started
             done.set()
             sampler.join()
         row = {"system": "asrserve-http", "server_args": list(server_args), "stream": stream,
-               "wall_s": round(wall, 2), "rtfx": round(seconds / wall, 1),
+               "uploads": uploads, "wall_s": round(wall, 2), "rtfx": round(uploads * seconds / wall, 1),
                "idle_rss_mb": round(idle_mb), "peak_rss_mb": round(peak[0]), **wer_of(reference, body["text"])}
+        if uploads > 1:
+            row["same_text"] = len({result[0]["text"] for result in results}) == 1
         if first_delta is not None:
             row["first_delta_s"] = round(first_delta, 2)
         if "segments" in body:
@@ -160,6 +168,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of the ~15 min real-en set (4: an hour)")
     parser.add_argument("--stream", action="store_true", help="stream=true: text deltas as server-sent events")
     parser.add_argument("--server-args", default="", help="more `asrserve serve` arguments, e.g. '--max-encoder-batch 8'")
+    parser.add_argument("--uploads", type=int, default=1, help="post the file this many times at once")
     parser.add_argument("--save-result", type=Path, default=None)
     args = parser.parse_args()
     if args.stream and args.response_format != "json":
@@ -169,7 +178,7 @@ def main() -> None:
     mp3 = to_mp3(audio)
     print(f"{seconds:.0f} s of audio, {len(mp3) / 2**20:.1f} MB as MP3")
     rows = [asrserve_http(args.model, mp3, seconds, reference, args.response_format, args.stream,
-                          tuple(args.server_args.split()))]
+                          tuple(args.server_args.split()), args.uploads)]
     if args.faster_whisper:
         rows.append(faster_whisper_sequential(args.model, audio, seconds, reference))
     for row in rows:

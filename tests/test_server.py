@@ -484,9 +484,10 @@ def test_client_disconnect_aborts_engine_work(server, long_speech):
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break
-    # Not streamed: give up while the engine is still on it.
+    # Not streamed: give up while the engine is still on it (the whole takes ~2 s on a quick
+    # 2-core machine; its first pieces reach the engine ~0.2 s in).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": data}, headers=headers, timeout=1.5)
+        httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": data}, headers=headers, timeout=0.6)
 
     started = time.monotonic()
     metrics = _wait_idle(server)
@@ -495,6 +496,28 @@ def test_client_disconnect_aborts_engine_work(server, long_speech):
     # Both were cut short: pieces were aborted, well before ~100 s of audio could finish.
     assert metrics["asrserve_engine_requests_aborted_total"] > aborted_before
     assert time.monotonic() - started < 10
+
+
+def test_bad_audio_found_after_the_first_pieces_left(server, long_speech):
+    """A long upload's first pieces go to the engine while the rest is decoded: a NaN two and a
+    half minutes in is found after that, and still gives the client a 400 naming the file (or,
+    streamed, an error event), and the engine work of the pieces already sent is freed."""
+    _, audio, _ = long_speech
+    broken = np.concatenate([audio, audio])[: 170 * SAMPLE_RATE]
+    broken[150 * SAMPLE_RATE] = np.nan
+    wav = io.BytesIO()
+    soundfile.write(wav, broken, SAMPLE_RATE, format="WAV", subtype="FLOAT")
+    url, headers = f"{server.url}/v1/audio/transcriptions", {"Authorization": f"Bearer {API_KEYS[0]}"}
+    aborted_before = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
+    response = httpx.post(url, files={"file": wav.getvalue()}, headers=headers, timeout=60)
+    assert "NaN" in _assert_error(response, 400, "file", "invalid_audio")["message"]
+    streamed = httpx.post(url, files={"file": wav.getvalue()}, data={"stream": "true"}, headers=headers, timeout=60)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert streamed.status_code == 200 and "error" in events[-1] and "NaN" in events[-1]["error"]["message"]
+    assert not any(event.get("type") == "transcript.text.done" for event in events)
+    metrics = _wait_idle(server)
+    assert metrics["asrserve_kv_cache_blocks_used"] == 0 and metrics["asrserve_num_requests_running"] == 0
+    assert metrics["asrserve_engine_requests_aborted_total"] > aborted_before  # pieces had been sent
 
 
 def test_health_stays_fast_under_load(server, long_speech):

@@ -289,7 +289,7 @@ def test_a_queued_preprocessing_job_is_cancelled_when_its_client_leaves(monkeypa
     release = threading.Event()
     decoded: list[bytes] = []
 
-    def slow_load_audio(data, max_duration_s=None):
+    def slow_load_audio(data, max_duration_s=None, on_progress=None):
         decoded.append(bytes(data))
         release.wait(10)
         return np.zeros(SAMPLE_RATE, np.float32)

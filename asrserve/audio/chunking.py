@@ -101,31 +101,36 @@ class AudioPiece:
 
 
 def cut_audio(audio: np.ndarray, strategy: ChunkingStrategy) -> list[AudioPiece]:
-    """Pieces of at most 30 s. Audio of 30 s or less is one piece whatever the strategy."""
-    if len(audio) <= N_SAMPLES:
-        return [AudioPiece(0, audio)]
-    if strategy.type == "energy":
-        return split_audio(audio)
-    from asrserve.audio.vad import vad_pieces  # loads Silero on first use
+    """Pieces of at most 30 s. Audio of 30 s or less is one piece whatever the strategy.
+    (asrserve.audio.piece_cutter gives the same pieces while the audio is still being read.)"""
+    from asrserve.audio.piece_cutter import PieceCutter  # it imports this module
 
-    options = {
-        name: getattr(strategy, name)
-        for name in ("threshold", "prefix_padding_ms", "silence_duration_ms")
-        if getattr(strategy, name) is not None
-    }
-    return vad_pieces(audio, **options)
+    return PieceCutter(strategy).finish(audio)
+
+
+class QuietPointCut:
+    """split_audio on audio still being read: cut(audio read so far) returns the pieces not
+    given before that more audio cannot change (a cut needs only the 30 s after its piece's
+    start); with final=True, the rest."""
+
+    def __init__(self, max_samples: int = N_SAMPLES):
+        self.max_samples = max_samples
+        self.start = 0
+
+    def cut(self, audio: np.ndarray, final: bool) -> list[AudioPiece]:
+        pieces, start, limit = [], self.start, self.max_samples
+        while len(audio) - start > limit:
+            cut = start + limit - SEARCH_SAMPLES + quietest_point(audio[start + limit - SEARCH_SAMPLES : start + limit])
+            pieces.append(AudioPiece(start, audio[start:cut]))
+            start = cut
+        if final:
+            pieces.append(AudioPiece(start, audio[start:]))
+        self.start = start
+        return pieces
 
 
 def split_audio(audio: np.ndarray, max_samples: int = N_SAMPLES) -> list[AudioPiece]:
-    pieces = []
-    start = 0
-    while len(audio) - start > max_samples:
-        cut = start + quietest_point(audio[start + max_samples - SEARCH_SAMPLES : start + max_samples])
-        cut += max_samples - SEARCH_SAMPLES
-        pieces.append(AudioPiece(start, audio[start:cut]))
-        start = cut
-    pieces.append(AudioPiece(start, audio[start:]))
-    return pieces
+    return QuietPointCut(max_samples).cut(audio, final=True)
 
 
 def has_sound(region: np.ndarray, reference: np.ndarray) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, Callable, Union
 
 import numpy as np
 import soundfile
@@ -13,6 +13,9 @@ import soxr
 from asrserve.config import SAMPLE_RATE
 
 AudioSource = Union[str, Path, bytes, bytearray, BinaryIO, np.ndarray]
+# Called as a file is decoded with the 16 kHz samples so far (a view, valid for the call) and
+# the duration its header declares (0 if it does not say).
+ProgressCallback = Callable[[np.ndarray, float], None]
 
 
 class AudioError(ValueError):
@@ -27,19 +30,26 @@ class AudioTooLongError(AudioError):
         self.max_duration_s = max_duration_s
 
 
-def load_audio(source: AudioSource, sample_rate: int | None = None, max_duration_s: float | None = None) -> np.ndarray:
+def load_audio(
+    source: AudioSource, sample_rate: int | None = None, max_duration_s: float | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> np.ndarray:
     """Decodes a file, its bytes, or an array into 16 kHz mono float32.
 
     An array is taken as samples at `sample_rate` (16 kHz when not given), shaped [samples]
     or [samples, channels]. With max_duration_s, longer audio raises AudioTooLongError as soon
     as that is known (before decoding where the container says how long it is), so a small
-    compressed upload cannot expand into gigabytes of samples.
+    compressed upload cannot expand into gigabytes of samples. on_progress (files only) sees
+    the samples as they are decoded: an exception it raises stops the decoding.
     """
     if isinstance(source, np.ndarray):
         samples, rate = source, sample_rate or SAMPLE_RATE
         _check_duration(len(samples) / rate, max_duration_s)
         return to_model_input(samples, rate)
-    return to_model_input(_decode(source, max_duration_s), SAMPLE_RATE)
+    try:
+        return to_model_input(_decode(source, max_duration_s, _Progress(on_progress)), SAMPLE_RATE)
+    except _ProgressFailed as failed:
+        raise failed.error from None
 
 
 def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -81,7 +91,9 @@ class _MonoResampler:
     230 MB more for an hour. np.empty's pages take no memory until written, so a count that
     is too high costs nothing; one that is too low costs a copy."""
 
-    def __init__(self, rate: int, max_duration_s: float | None, declared_frames: int = 0):
+    def __init__(
+        self, rate: int, max_duration_s: float | None, declared_frames: int = 0, on_progress: _Progress | None = None
+    ):
         if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
             raise AudioError(f"audio has an unsupported sample rate of {rate} Hz")
         self.rate = rate
@@ -92,6 +104,8 @@ class _MonoResampler:
         declared_s = min(max(declared_frames, 0) / rate, max_duration_s or MAX_PREALLOCATED_S, MAX_PREALLOCATED_S)
         self.samples = np.empty(int(declared_s * SAMPLE_RATE) + SAMPLE_RATE, np.float32)
         self.length = 0
+        self.declared_s = declared_s
+        self.on_progress = on_progress or _Progress(None)
 
     def add(self, block: np.ndarray, last: bool = False) -> None:
         with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are refused after decoding
@@ -103,6 +117,8 @@ class _MonoResampler:
         self._append(self.stream.resample_chunk(mono, last=last) if self.stream is not None else mono)
 
     def _append(self, values: np.ndarray) -> None:
+        if not np.isfinite(values).all():  # refused before any of it is cut and sent on
+            raise AudioError("audio contains NaN or infinite samples")
         end = self.length + len(values)
         if end > len(self.samples):
             grown = np.empty(max(end, 2 * len(self.samples)), np.float32)
@@ -110,6 +126,8 @@ class _MonoResampler:
             self.samples = grown
         self.samples[self.length : end] = values
         self.length = end
+        if len(values):
+            self.on_progress(self.samples[: self.length], self.declared_s)
 
     def finish(self) -> np.ndarray:
         if self.stream is not None:
@@ -119,7 +137,30 @@ class _MonoResampler:
         return self.samples[: self.length]
 
 
-def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: float | None) -> np.ndarray:
+class _ProgressFailed(Exception):
+    """What on_progress raised, carried past the decoders' own error handling."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Progress:
+    def __init__(self, callback: ProgressCallback | None):
+        self.callback = callback
+        self.called = False
+
+    def __call__(self, samples: np.ndarray, declared_s: float) -> None:
+        if self.callback is None:
+            return
+        self.called = True
+        try:
+            self.callback(samples, declared_s)
+        except Exception as error:
+            raise _ProgressFailed(error) from error
+
+
+def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
     """16 kHz mono float32 samples of a file."""
     if isinstance(source, (bytes, bytearray)):
         if len(source) == 0:
@@ -129,20 +170,22 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         raise AudioError(f"audio file not found: {source}")
     start = source.tell() if hasattr(source, "tell") else None
     try:
-        return _decode_soundfile(source, max_duration_s)
-    except soundfile.LibsndfileError:
+        return _decode_soundfile(source, max_duration_s, on_progress)
+    except soundfile.LibsndfileError as error:
+        if on_progress.called:  # what it saw would be seen again from the start
+            raise AudioError(f"could not decode audio: {_one_line(error)}") from None
         # Containers libsndfile does not read (mp4/m4a, webm, aac, wma, ...): ffmpeg via PyAV.
         if start is not None:
             source.seek(start)
-        return _decode_ffmpeg(source, max_duration_s)
+        return _decode_ffmpeg(source, max_duration_s, on_progress)
 
 
-def _decode_soundfile(source, max_duration_s: float | None) -> np.ndarray:
+def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
     try:
         with soundfile.SoundFile(source) as file:
             if file.samplerate > 0 and file.frames > 0:
                 _check_duration(file.frames / file.samplerate, max_duration_s)
-            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames)
+            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
             while len(block := file.read(block_frames, dtype="float32", always_2d=True)):
@@ -154,7 +197,7 @@ def _decode_soundfile(source, max_duration_s: float | None) -> np.ndarray:
         raise AudioError(f"could not decode audio: {_one_line(error)}") from None
 
 
-def _decode_ffmpeg(source, max_duration_s: float | None) -> np.ndarray:
+def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
     import av
 
     try:
@@ -166,7 +209,7 @@ def _decode_ffmpeg(source, max_duration_s: float | None) -> np.ndarray:
             rate = getattr(stream, "sample_rate", None) or getattr(stream.codec_context, "sample_rate", 0)
             if container.duration:  # microseconds, when the container says
                 _check_duration(container.duration / 1e6, max_duration_s)
-            mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000)
+            mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress)
             # Planar float at the stream's own rate and channel layout; mixed down and
             # resampled to 16 kHz frame by frame.
             converter = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)

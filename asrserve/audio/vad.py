@@ -20,7 +20,6 @@ probabilities differ from the jit model's by up to ~0.5, so we do not use it.
 from __future__ import annotations
 
 import importlib.util
-import math
 import threading
 import warnings
 from contextlib import contextmanager
@@ -28,14 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from asrserve.audio.chunking import AudioPiece, quietest_point
-from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from asrserve.audio.chunking import AudioPiece
+from asrserve.audio.vad_regions import WINDOW, pad_regions, piece_spans, raw_regions
+from asrserve.config import N_SAMPLES
 
-WINDOW = 512  # samples per speech probability (32 ms at 16 kHz)
 CONTEXT = 64  # samples of the previous window each window also sees
 BLOCK_WINDOWS = 2048  # windows per block (~65 s of audio): bounds memory on long audio
-SPLIT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where to look for a dip when speech runs past 30 s
-QUIET_SAMPLES = SAMPLE_RATE // 50  # 20 ms: the span whose energy places a cut inside a dip
 _PACKAGE = "silero_vad"
 
 # Defaults for offline transcription (OpenAI's server_vad defaults, 500 ms of silence, are tuned
@@ -124,28 +121,34 @@ class SileroVAD:
 
     def probabilities(self, samples: np.ndarray) -> np.ndarray:
         """One speech probability per 512-sample window (the last one zero-padded), float32."""
-        import torch
-
         samples = np.asarray(samples, dtype=np.float32)
         count = -(-len(samples) // WINDOW)
         probs = np.zeros(count, np.float32)
         state = None
-        with torch.inference_mode(), _one_thread():
-            # Block by block, the LSTM's state carried over: memory stays that of one block
-            # whatever the length (over an hour at once, the padded copy, the features and the
-            # LSTM's gates took ~450 MB more than the audio).
-            for first in range(0, count, BLOCK_WINDOWS):
-                # Window k sees samples [512k - 64, 512k + 512): zeros before the start, as the
-                # reference's initial context, and zeros after the end, as its padded last window.
-                num = min(BLOCK_WINDOWS, count - first)
-                begin = first * WINDOW - CONTEXT
-                audio = torch.zeros(CONTEXT + num * WINDOW)
-                chunk = samples[max(0, begin) : begin + CONTEXT + num * WINDOW]
-                audio[max(0, -begin) : max(0, -begin) + len(chunk)] = torch.from_numpy(chunk)
-                windows = audio.unfold(0, WINDOW + CONTEXT, WINDOW)  # [num, 576], a view
-                hidden, state = self.lstm(self._front_end(windows).unsqueeze(0), state)
-                probs[first : first + num] = self._head(hidden[0])
+        # Block by block, the LSTM's state carried over: memory stays that of one block
+        # whatever the length (over an hour at once, the padded copy, the features and the
+        # LSTM's gates took ~450 MB more than the audio).
+        for first in range(0, count, BLOCK_WINDOWS):
+            num = min(BLOCK_WINDOWS, count - first)
+            probs[first : first + num], state = self.block_probabilities(samples, first, num, state)
         return probs
+
+    def block_probabilities(self, samples: np.ndarray, first: int, num: int, lstm_state):
+        """The probabilities of windows [first, first + num) of float32 `samples` and the LSTM
+        state after them, given the state after window first - 1 (None at the start). Window k
+        sees samples [512k - 64, 512k + 512): zeros before the start, as the reference's
+        initial context, and zeros after the end, as its padded last window. Blocks that start
+        at the same windows give the same numbers whether the audio is complete or not."""
+        import torch
+
+        with torch.inference_mode(), _one_thread():
+            begin = first * WINDOW - CONTEXT
+            audio = torch.zeros(CONTEXT + num * WINDOW)
+            chunk = samples[max(0, begin) : begin + CONTEXT + num * WINDOW]
+            audio[max(0, -begin) : max(0, -begin) + len(chunk)] = torch.from_numpy(chunk)
+            windows = audio.unfold(0, WINDOW + CONTEXT, WINDOW)  # [num, 576], a view
+            hidden, lstm_state = self.lstm(self._front_end(windows).unsqueeze(0), lstm_state)
+            return self._head(hidden[0]), lstm_state
 
     def _head(self, hidden) -> np.ndarray:
         import torch
@@ -206,53 +209,6 @@ def speech_probabilities(samples: np.ndarray) -> np.ndarray:
     return get_vad().probabilities(samples)
 
 
-def _raw_regions(probs, num_samples, threshold, min_silence_ms, min_speech_ms) -> list[list[int]]:
-    """Unpadded [start, end) speech regions: silero's get_speech_timestamps without max_speech."""
-    neg_threshold = max(threshold - 0.15, 0.01)
-    min_silence = SAMPLE_RATE * min_silence_ms / 1000
-    min_speech = SAMPLE_RATE * min_speech_ms / 1000
-    regions: list[list[int]] = []
-    triggered, start, silence_start = False, 0, 0
-    for i, prob in enumerate(np.asarray(probs, dtype=np.float64).tolist()):
-        position = i * WINDOW
-        if prob >= threshold:
-            silence_start = 0
-            if not triggered:
-                triggered, start = True, position
-            continue
-        if triggered and prob < neg_threshold:
-            if not silence_start:
-                silence_start = position
-            if position - silence_start >= min_silence:
-                if silence_start - start > min_speech:
-                    regions.append([start, silence_start])
-                triggered, silence_start = False, 0
-    if triggered and num_samples - start > min_speech:
-        regions.append([start, num_samples])
-    return regions
-
-
-def _pad(regions: list[list[int]], num_samples: int, speech_pad_ms: float) -> list[tuple[int, int]]:
-    """Pads each region on both sides; neighbours closer than two pads meet halfway."""
-    pad = SAMPLE_RATE * speech_pad_ms / 1000
-    regions = [list(region) for region in regions]
-    for i, region in enumerate(regions):
-        if i == 0:
-            region[0] = int(max(0, region[0] - pad))
-        if i + 1 < len(regions):
-            following = regions[i + 1]
-            gap = following[0] - region[1]
-            if gap < 2 * pad:
-                region[1] += int(gap // 2)
-                following[0] = int(max(0, following[0] - gap // 2))
-            else:
-                region[1] = int(min(num_samples, region[1] + pad))
-                following[0] = int(max(0, following[0] - pad))
-        else:
-            region[1] = int(min(num_samples, region[1] + pad))
-    return [(start, end) for start, end in regions]
-
-
 def regions_from_probabilities(
     probs: np.ndarray,
     num_samples: int,
@@ -266,7 +222,7 @@ def regions_from_probabilities(
     prob >= threshold and ends where min_silence_ms of prob < threshold - 0.15 begins; regions
     of at most min_speech_ms are dropped; each side is padded by speech_pad_ms, neighbours that
     are closer than two pads meeting halfway."""
-    return _pad(_raw_regions(probs, num_samples, threshold, min_silence_ms, min_speech_ms), num_samples, speech_pad_ms)
+    return pad_regions(raw_regions(probs, num_samples, threshold, min_silence_ms, min_speech_ms), num_samples, speech_pad_ms)
 
 
 def speech_regions(
@@ -282,27 +238,6 @@ def speech_regions(
     regions_from_probabilities); `probs` saves running the model again when already known."""
     probs = speech_probabilities(samples) if probs is None else probs
     return regions_from_probabilities(probs, len(samples), threshold, min_silence_ms, speech_pad_ms, min_speech_ms)
-
-
-def _split_long(start: int, end: int, probs: np.ndarray, samples: np.ndarray, limit: int) -> list[list[int]]:
-    """Cuts an unpadded region longer than `limit` at its least speech-like window within the
-    last few seconds before each limit: a pause too short to end the region, if there is one."""
-    parts = []
-    while end - start > limit:
-        first = -(-max(start, start + limit - SPLIT_SEARCH_SAMPLES) // WINDOW)
-        last = (start + limit) // WINDOW  # windows [first, last) lie inside the limit
-        dip = first + int(np.argmin(probs[first:last]))
-        # The probability lags the audio by a window or two, so the pause that made the dip
-        # ends in the dip's window: cut at the quietest 20 ms of it and the two windows before.
-        low, high = max(start + WINDOW, (dip - 2) * WINDOW), min(start + limit, (dip + 1) * WINDOW)
-        if high > low:
-            cut = low + quietest_point(samples[low:high], QUIET_SAMPLES, hop=1)
-        else:
-            cut = max(dip * WINDOW, start + WINDOW)
-        parts.append([start, cut])
-        start = cut
-    parts.append([start, end])
-    return parts
 
 
 def vad_pieces(
@@ -324,18 +259,6 @@ def vad_pieces(
     piece before a pause at least that long."""
     samples = np.asarray(samples, dtype=np.float32)
     probs = speech_probabilities(samples) if probs is None else np.asarray(probs)
-    pad = math.ceil(SAMPLE_RATE * prefix_padding_ms / 1000) + 1  # + 1: _pad rounds its ends
-    if max_samples <= 2 * pad + 2 * WINDOW:
-        raise ValueError(f"max_samples ({max_samples}) leaves no room for speech between the pads")
-    raw = _raw_regions(probs, len(samples), threshold, silence_duration_ms, min_speech_ms)
-    # Split before padding, so that each part is still <= max_samples once padded and no cut
-    # falls in the padding (which would leave a piece of bare silence).
-    raw = [part for start, end in raw for part in _split_long(start, end, probs, samples, max_samples - 2 * pad)]
-    max_gap = math.inf if max_gap_ms is None else SAMPLE_RATE * max_gap_ms / 1000
-    spans: list[list[int]] = []  # [start, end, where the speech in it ends]
-    for (start, end), (speech_start, speech_end) in zip(_pad(raw, len(samples), prefix_padding_ms), raw):
-        if spans and end - spans[-1][0] <= max_samples and speech_start - spans[-1][2] < max_gap:
-            spans[-1][1:] = [end, speech_end]  # WhisperX's cut & merge
-        else:
-            spans.append([start, end, speech_end])
-    return [AudioPiece(start, samples[start:end]) for start, end, _ in spans if end > start]
+    raw = raw_regions(probs, len(samples), threshold, silence_duration_ms, min_speech_ms)
+    spans = piece_spans(raw, probs, samples, len(samples), prefix_padding_ms, max_samples, max_gap_ms)
+    return [AudioPiece(start, samples[start:end]) for start, end in spans]

@@ -171,6 +171,13 @@ class _AudioHeld:
         self.state = state
         state.audio_ms_in_flight += self.ms
 
+    def settle(self, seconds: float) -> None:
+        """The file's length, known once it is all read (it was charged what its header said)."""
+        if self.ms:
+            ms = round(seconds * 1000)
+            self.state.audio_ms_in_flight += ms - self.ms
+            self.ms = ms
+
     def release(self) -> None:
         self.state.audio_ms_in_flight -= self.ms
         self.ms = 0
@@ -181,17 +188,25 @@ async def _transcribe(
 ) -> Response:
     try:
         prepared = await state.pool.prepare(audio, job_params.chunking)
-    except AudioTooLongError as error:
-        raise APIError(400, str(error), param="file", code="audio_too_long") from None
     except AudioError as error:
-        raise APIError(400, str(error), param="file", code="invalid_audio") from None
+        raise _audio_error(error) from None
     del audio
-    held = _AudioHeld(state, prepared.duration_s)
+    try:
+        held = _AudioHeld(state, prepared.expected_s)
+    except APIError:
+        prepared.cancel()
+        raise
+    prepared.on_complete = held.settle
     try:
         return await _run_job(state, prepared, job_params, waiting, held)
     finally:
         if not waiting.handed_off:
             held.release()
+
+
+def _audio_error(error: AudioError) -> APIError:
+    code = "audio_too_long" if isinstance(error, AudioTooLongError) else "invalid_audio"
+    return APIError(400, str(error), param="file", code=code)
 
 
 async def _run_job(
@@ -226,6 +241,8 @@ async def _run_job(
         raise engine_dead_error(error) from None
     except InvalidRequestError as error:
         raise APIError(400, str(error)) from None
+    except AudioError as error:  # found in the part of the file read after the first pieces
+        raise _audio_error(error) from None
     finally:
         job.abort()
     _record_job(state, job, job_params)
@@ -283,6 +300,8 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
         yield _sse(error_body(f"the engine stopped: {error}", "server_error", code="engine_dead"))
     except InvalidRequestError as error:
         yield _sse(error_body(str(error), "invalid_request_error"))
+    except AudioError as error:
+        yield _sse(error_body(str(error), "invalid_request_error", param="file"))
     finally:
         job.abort()
 

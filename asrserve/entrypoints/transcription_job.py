@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
+from asrserve.audio.chunking import AudioPiece
 from asrserve.config import SAMPLE_RATE
 from asrserve.engine.async_client import AsyncEngineClient, RequestStream
 from asrserve.engine.engine_process import EngineRequest
@@ -55,8 +57,8 @@ class IncrementalText:
 
 
 class TranscriptionJob:
-    """Submits every piece at once (one encoder forward can take them all) and yields text
-    deltas in piece order; later pieces' outputs wait in their streams meanwhile."""
+    """Submits every piece as soon as it is cut (one encoder forward can take several) and
+    yields text deltas in piece order; later pieces' outputs wait in their streams meanwhile."""
 
     _ids = itertools.count()
 
@@ -74,13 +76,15 @@ class TranscriptionJob:
     ):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.duration_s = audio.duration_s
-        self.language = language
+        self.audio = audio
+        self.language = language  # the request's, or the first piece's detected one
+        self._requested_language = language  # every piece's request takes this one
         self.task = task
         self.prompt = prompt
         self.max_completion_tokens = max_completion_tokens
         self.seek_continuation = seek_continuation
-        self.sampling_params = long_form_params(sampling_params, audio.duration_s)
+        # Audio still being read has come out in pieces already, so it is longer than 30 s.
+        self.sampling_params = long_form_params(sampling_params, audio.duration_s if audio.complete else math.inf)
         self.text = ""
         self.num_output_tokens = 0
         self.first_token_time: float | None = None
@@ -88,15 +92,59 @@ class TranscriptionJob:
         self._prefix = f"tr-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         self._next_piece = itertools.count()
         self._aborted = False
+        self.requests: list[EngineRequest] = []
+        self.pieces: list[PieceResult] = []
+        self._samples: list[np.ndarray] = []
+        self.streams: list[RequestStream] = []
+        self._pieces_added = asyncio.Event()
+        self._add_pieces(audio.pieces)
+
+    @property
+    def duration_s(self) -> float | None:
+        """The audio's length, once it has all been read."""
+        return self.audio.duration_s
+
+    def _add_pieces(self, pieces: list[AudioPiece]) -> None:
         # The prompt goes to every piece: they decode side by side, so none can take the text
         # of the piece before it as Whisper's sequential decoding does (continuations can).
-        self.requests = [self._request(piece.samples, language, prompt) for piece in audio.pieces]
-        self.pieces = [
-            PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
-            for piece in audio.pieces
-        ]
-        self._samples = [piece.samples for piece in audio.pieces]
-        self.streams = engine.add(self.requests)
+        language = self._requested_language
+        requests = [self._request(piece.samples, language, self.prompt) for piece in pieces]
+        self.requests += requests
+        self.pieces += [PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
+                        for piece in pieces]
+        self._samples += [piece.samples for piece in pieces]
+        self.streams += self.engine.add(requests) if requests else []
+
+    async def _read_more(self) -> bool:
+        """Submits the pieces cut next; False once the audio has no more."""
+        if self._aborted:
+            return False
+        pieces = await self.audio.more()
+        if pieces is None:
+            return False
+        self._add_pieces(pieces)
+        self._pieces_added.set()
+        return True
+
+    async def _read_rest(self) -> None:
+        try:
+            while await self._read_more():
+                pass
+        finally:
+            self._pieces_added.set()
+
+    async def _has_piece(self, index: int, reader: asyncio.Future) -> bool:
+        """Waits until piece `index` is submitted (True) or the audio has no more (False);
+        raises what reading the audio raised."""
+        while index >= len(self.streams):
+            if reader.done():
+                reader.result()
+                return index < len(self.streams)
+            self._pieces_added.clear()
+            added = asyncio.ensure_future(self._pieces_added.wait())
+            await asyncio.wait({reader, added}, return_when=asyncio.FIRST_COMPLETED)
+            added.cancel()
+        return True
 
     def _request(self, samples: np.ndarray, language: str | None, prompt: str | None) -> EngineRequest:
         request_id = f"{self._prefix}-{next(self._next_piece)}"
@@ -133,53 +181,74 @@ class TranscriptionJob:
         reason a piece with timestamps shows only the segments a continuation cannot revoke
         (entrypoints.continuation.settled_length) until it finishes."""
         eot = self.tokenizer.special.eot
-        for stream, piece, samples in zip(self.streams, self.pieces, self._samples):
-            depth = 0
-            while True:
-                text = IncrementalText(self.tokenizer)
-                piece_started = False
-                budget = None if self.max_completion_tokens is None else self.max_completion_tokens - self.num_output_tokens
-                async for output in stream:
-                    self._on_output(output)
-                    assert not output.restarted, "a streamed request was decoded again"
-                    piece.add(output)
-                    if budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget:
-                        break  # the limit is reached: what came is all this transcription shows
-                    settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
-                    delta = text.update(_text_tokens(settled, eot, budget))
-                    if delta:
-                        if not piece_started and self.text:
-                            delta = self._separator + delta
-                        piece_started = True
-                        self.text += delta
-                        yield delta
-                at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
-                following = None if at_limit else self._continue(piece, samples, depth)
-                shown = _text_tokens(piece.token_ids, eot, budget)
-                self.num_output_tokens += len(shown)
-                delta = text.update(shown) + text.finish()
+        reader = asyncio.ensure_future(self._read_rest())  # pieces go to the engine as they are cut
+        try:
+            index = 0
+            while await self._has_piece(index, reader):
+                async for delta in self._piece_deltas(index, eot):
+                    yield delta
+                if self._aborted:
+                    return
+                index += 1
+        finally:
+            reader.cancel()
+
+    async def _piece_deltas(self, index: int, eot: int) -> AsyncIterator[str]:
+        """The text of piece `index` and its continuations, as deltas; aborts the job at the
+        token limit."""
+        stream, piece, samples = self.streams[index], self.pieces[index], self._samples[index]
+        depth = 0
+        while True:
+            text = IncrementalText(self.tokenizer)
+            piece_started = False
+            budget = None if self.max_completion_tokens is None else self.max_completion_tokens - self.num_output_tokens
+            async for output in stream:
+                self._on_output(output)
+                assert not output.restarted, "a streamed request was decoded again"
+                piece.add(output)
+                if budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget:
+                    break  # the limit is reached: what came is all this transcription shows
+                settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
+                delta = text.update(_text_tokens(settled, eot, budget))
                 if delta:
                     if not piece_started and self.text:
                         delta = self._separator + delta
+                    piece_started = True
                     self.text += delta
                     yield delta
-                if at_limit:
-                    self.abort()
-                    return
-                if following is None:
-                    break
-                stream, piece, samples = following
-                depth += 1
+            at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
+            following = None if at_limit else self._continue(piece, samples, depth)
+            shown = _text_tokens(piece.token_ids, eot, budget)
+            self.num_output_tokens += len(shown)
+            delta = text.update(shown) + text.finish()
+            if delta:
+                if not piece_started and self.text:
+                    delta = self._separator + delta
+                self.text += delta
+                yield delta
+            if at_limit:
+                self.abort()
+                return
+            if following is None:
+                break
+            stream, piece, samples = following
+            depth += 1
 
     async def run(self) -> str:
         """Waits for every piece's final decode (after any fallback and continuation) and
         returns the text; self.pieces holds each piece's tokens and summary, continuations in
         place after their parents. Past max_completion_tokens the rest is dropped."""
-        chains = [
-            asyncio.ensure_future(self._decode_chain(stream, piece, samples))
-            for stream, piece, samples in zip(self.streams, self.pieces, self._samples)
-        ]
+        chains = []
         try:
+            while True:
+                chains += [
+                    asyncio.ensure_future(self._decode_chain(stream, piece, samples))
+                    for stream, piece, samples in zip(
+                        self.streams[len(chains):], self.pieces[len(chains):], self._samples[len(chains):]
+                    )
+                ]
+                if not await self._read_more():
+                    break
             done = [await chain for chain in chains]
         finally:
             for chain in chains:  # a failed or cancelled job stops the rest of its pieces
@@ -216,8 +285,9 @@ class TranscriptionJob:
 
     def abort(self) -> None:
         """Frees the engine work of every unfinished piece and continuation (no-op for
-        finished ones); no continuation starts after it."""
+        finished ones); no continuation starts after it, and the audio is read no further."""
         self._aborted = True
+        self.audio.cancel()
         self.engine.abort([request.request_id for request in self.requests])
 
     @property

@@ -1,0 +1,95 @@
+"""Cutting audio into pieces while it is still being decoded, so that the first pieces of a
+long upload reach the engine before the rest is read: for an hour of MP3 on 2 cores, decoding
+and voice-activity detection take ~3 s before the first piece could go otherwise.
+
+feed() takes the samples decoded so far, again and again as they grow, and returns the pieces
+that no later audio can change, each once; finish() takes the whole audio and returns the rest.
+Together they are exactly the pieces of cutting the whole audio at once (chunking.cut_audio is
+finish() alone), which tests/test_piece_cutter.py checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asrserve.audio.chunking import AudioPiece, ChunkingStrategy, QuietPointCut
+from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+from asrserve.config import N_SAMPLES
+
+SPANS_LEFT_OPEN = 2  # a prefix's last two VAD pieces may still change (vad_regions.piece_spans)
+
+
+class PieceCutter:
+    def __init__(self, strategy: ChunkingStrategy):
+        self.strategy = strategy
+        self.sent: list[tuple[int, int]] = []  # (offset, length) of every piece given out
+        self._quiet_points = QuietPointCut() if strategy.type == "energy" else None
+        self._vad = None if self._quiet_points is not None else _IncrementalVad(strategy)
+
+    def feed(self, samples: np.ndarray) -> list[AudioPiece]:
+        """`samples`: 16 kHz mono float32 audio read so far, a longer prefix at every call."""
+        if len(samples) <= N_SAMPLES:
+            return []  # it may yet be one piece of 30 s or less
+        if self._quiet_points is not None:
+            return self._send(self._quiet_points.cut(samples, final=False))
+        spans = self._vad.spans(samples, final=False)
+        if spans is None:
+            return []
+        return self._send(_pieces(samples, spans[len(self.sent) : len(spans) - SPANS_LEFT_OPEN]))
+
+    def finish(self, samples: np.ndarray) -> list[AudioPiece]:
+        """The pieces of the whole audio `samples` not given by feed()."""
+        if len(samples) <= N_SAMPLES:
+            if self.sent:
+                raise RuntimeError("pieces were sent for audio that turned out to be 30 s or less")
+            return self._send([AudioPiece(0, samples)])
+        if self._quiet_points is not None:
+            return self._send(self._quiet_points.cut(samples, final=True))
+        spans = self._vad.spans(samples, final=True)
+        sent = [(start, end - start) for start, end in spans[: len(self.sent)]]
+        if sent != self.sent:  # a bug in the locality piece_spans relies on: fail, never send other text
+            raise RuntimeError(f"pieces sent early {self.sent} differ from the whole audio's {sent}")
+        return self._send(_pieces(samples, spans[len(self.sent) :]))
+
+    def _send(self, pieces: list[AudioPiece]) -> list[AudioPiece]:
+        self.sent += [(piece.offset, len(piece.samples)) for piece in pieces]
+        return pieces
+
+
+def _pieces(samples: np.ndarray, spans: list[tuple[int, int]]) -> list[AudioPiece]:
+    return [AudioPiece(start, samples[start:end]) for start, end in spans]
+
+
+class _IncrementalVad:
+    """vad.vad_pieces' spans, with the model run block by block as the audio grows (blocks
+    start at the same windows as over the whole audio, so the probabilities are the same)."""
+
+    def __init__(self, strategy: ChunkingStrategy):
+        from asrserve.audio import vad  # loads Silero on first use
+
+        self.model = vad.get_vad()
+        threshold = vad.DEFAULT_THRESHOLD if strategy.threshold is None else strategy.threshold
+        silence_ms = vad.DEFAULT_SILENCE_DURATION_MS if strategy.silence_duration_ms is None else strategy.silence_duration_ms
+        self.padding_ms = vad.DEFAULT_PREFIX_PADDING_MS if strategy.prefix_padding_ms is None else strategy.prefix_padding_ms
+        self.block_windows = vad.BLOCK_WINDOWS
+        self.finder = RegionFinder(threshold, silence_ms, vad.DEFAULT_MIN_SPEECH_MS)
+        self.blocks: list[np.ndarray] = []
+        self.lstm_state = None
+
+    def spans(self, samples: np.ndarray, final: bool) -> list[tuple[int, int]] | None:
+        """The spans of `samples` (the last SPANS_LEFT_OPEN unsettled unless final); None when
+        not final and no new block of probabilities was complete."""
+        samples = np.asarray(samples, dtype=np.float32)
+        count = -(-len(samples) // WINDOW) if final else len(samples) // WINDOW  # whole windows only, until the end
+        done = self.finder.num_windows
+        if not final and count - done < self.block_windows:
+            return None
+        while done < count and (final or count - done >= self.block_windows):
+            num = min(self.block_windows, count - done)
+            probs, self.lstm_state = self.model.block_probabilities(samples, done, num, self.lstm_state)
+            self.blocks.append(probs)
+            self.finder.feed(probs)
+            done += num
+        probs = np.concatenate(self.blocks) if self.blocks else np.zeros(0, np.float32)
+        end = len(samples) if final else done * WINDOW
+        raw = self.finder.regions + self.finder.open_region(end)
+        return piece_spans(raw, probs, samples, end, self.padding_ms)

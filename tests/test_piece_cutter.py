@@ -1,0 +1,197 @@
+"""Pieces cut while the audio is still being read (asrserve/audio/piece_cutter.py) are exactly
+those of cutting the whole audio, and a long upload's first pieces leave the preprocessing
+pool before the file is decoded to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+import soundfile
+
+from asrserve.audio import decode, vad
+from asrserve.audio.chunking import ChunkingStrategy, cut_audio, split_audio
+from asrserve.audio.decode import AudioError
+from asrserve.audio.piece_cutter import PieceCutter
+from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from asrserve.entrypoints.preprocess import PreprocessPool
+from tests.test_vad import needs_silero
+
+SR = SAMPLE_RATE
+
+
+@pytest.fixture(scope="module")
+def long_audio(speech_audio) -> np.ndarray:
+    """~6 minutes over low noise: sentences with pauses of 0.1-4 s, a stretch of over 40 s
+    without a pause Silero would end speech at, two minutes of silence, a last sentence at the
+    very end (no padding room after it)."""
+    rng = np.random.default_rng(7)
+    parts = [np.zeros(SR // 3, np.float32)]
+    for i in range(40):
+        parts += [speech_audio[i % len(speech_audio)], np.zeros(int(rng.uniform(0.1, 4.0) * SR), np.float32)]
+    run = np.concatenate([clip[: len(clip) - SR // 20] for clip in speech_audio * 4])  # no pause of 200 ms
+    parts += [run[: 45 * SR], np.zeros(120 * SR, np.float32), speech_audio[1]]
+    audio = np.concatenate(parts)
+    return audio + rng.normal(0, 1e-4, len(audio)).astype(np.float32)
+
+
+def _read_in_steps(cutter: PieceCutter, audio: np.ndarray, seed: int) -> tuple[list, int]:
+    """Feeds growing prefixes the way a decoder's blocks arrive (sizes from one MP3 frame to
+    ~10 s); returns every piece and how many came before the end."""
+    rng = np.random.default_rng(seed)
+    pieces, length = [], 0
+    while length < len(audio):
+        length = min(len(audio), length + int(rng.choice([1152, 4096, 48_000, 160_000])))
+        pieces += cutter.feed(audio[:length])
+    early = len(pieces)
+    return pieces + cutter.finish(audio), early
+
+
+def _bounds(pieces) -> list[tuple[int, int]]:
+    return [(piece.offset, len(piece.samples)) for piece in pieces]
+
+
+@needs_silero
+@pytest.mark.parametrize("block_windows", [vad.BLOCK_WINDOWS, 96])
+@pytest.mark.parametrize(
+    "strategy",
+    [ChunkingStrategy("server_vad"), ChunkingStrategy("server_vad", 0.6, 500, 700), ChunkingStrategy("energy")],
+    ids=["vad-default", "vad-options", "energy"],
+)
+def test_pieces_cut_while_reading_are_those_of_the_whole(long_audio, strategy, block_windows, monkeypatch):
+    monkeypatch.setattr(vad, "BLOCK_WINDOWS", block_windows)  # more blocks: more prefixes cut
+    if strategy.type == "energy":
+        whole = split_audio(long_audio)
+    else:
+        options = dict(threshold=strategy.threshold, prefix_padding_ms=strategy.prefix_padding_ms,
+                       silence_duration_ms=strategy.silence_duration_ms)
+        whole = vad.vad_pieces(long_audio, **{name: value for name, value in options.items() if value is not None})
+    assert len(whole) >= 10 and _bounds(cut_audio(long_audio, strategy)) == _bounds(whole)
+    for seed in range(3):
+        pieces, early = _read_in_steps(PieceCutter(strategy), long_audio, seed)
+        assert _bounds(pieces) == _bounds(whole)
+        assert all(np.array_equal(a.samples, long_audio[a.offset : a.offset + len(a.samples)]) for a in pieces)
+        # Pieces go while reading: all but those of the last minute or so.
+        assert early >= len(whole) - 4, (early, len(whole))
+
+
+@needs_silero
+def test_audio_of_30_s_or_less_is_one_piece_only_at_the_end(speech_audio):
+    audio = np.concatenate(speech_audio)[:N_SAMPLES]
+    cutter = PieceCutter(ChunkingStrategy("server_vad"))
+    assert all(cutter.feed(audio[:length]) == [] for length in range(4096, len(audio), 4096))
+    assert _bounds(cutter.finish(audio)) == [(0, N_SAMPLES)]
+
+
+def _flac(audio: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, SR, format="FLAC")
+    return buffer.getvalue()
+
+
+@needs_silero
+def test_the_pool_sends_the_first_pieces_before_the_file_is_read(long_audio, monkeypatch):
+    monkeypatch.setattr(decode, "BLOCK_SAMPLES", 10 * SR)  # the decoder's steps
+    pool = PreprocessPool(num_workers=1, max_duration_s=None)
+
+    async def run():
+        prepared = await pool.prepare(_flac(long_audio))
+        first, batches = list(prepared.pieces), 1
+        assert not prepared.complete and first and prepared.duration_s is None
+        assert prepared.expected_s == pytest.approx(len(long_audio) / SR, abs=0.1)  # the header's length
+        while await prepared.more() is not None:
+            batches += 1
+        return prepared, first, batches
+
+    try:
+        prepared, first, batches = asyncio.run(run())
+    finally:
+        pool.shutdown()
+    assert batches > 3 and prepared.complete
+    assert prepared.duration_s == pytest.approx(len(long_audio) / SR, abs=1e-3)
+    whole = cut_audio(decode.load_audio(_flac(long_audio)), ChunkingStrategy("server_vad"))
+    assert _bounds(prepared.pieces) == _bounds(whole) and all(a is b for a, b in zip(prepared.pieces, first))
+
+
+@needs_silero
+def test_bad_audio_after_the_first_pieces_is_raised_to_the_reader(long_audio, monkeypatch):
+    """NaN samples two minutes in: the pieces before them go, then the error, and no piece
+    holding a NaN is ever sent (the engine never sees one)."""
+    monkeypatch.setattr(decode, "BLOCK_SAMPLES", 10 * SR)
+    broken = long_audio.copy()
+    broken[120 * SR] = np.nan
+    buffer = io.BytesIO()
+    soundfile.write(buffer, broken, SR, format="WAV", subtype="FLOAT")
+    pool = PreprocessPool(num_workers=1, max_duration_s=None)
+
+    async def run():
+        prepared = await pool.prepare(buffer.getvalue())
+        with pytest.raises(AudioError, match="NaN"):
+            while await prepared.more() is not None:
+                pass
+        return prepared
+
+    try:
+        prepared = asyncio.run(run())
+    finally:
+        pool.shutdown()
+    assert prepared.pieces and not prepared.complete
+    assert all(np.isfinite(piece.samples).all() for piece in prepared.pieces)
+    assert max(piece.offset + len(piece.samples) for piece in prepared.pieces) <= 120 * SR
+
+
+def _random_probabilities(rng) -> np.ndarray:
+    """Runs of speech (up to ~40 s) and pauses (32 ms to 3 s), some of them borderline."""
+    runs = []
+    while sum(map(len, runs)) < 6000:  # ~3 minutes of windows
+        runs.append(np.full(int(rng.integers(3, 1250)), rng.choice([0.9, 0.55])))
+        runs.append(np.full(int(rng.integers(1, 100)), rng.choice([0.05, 0.3, 0.45])))
+    return np.concatenate(runs).astype(np.float32)
+
+
+@pytest.mark.parametrize("padding_ms", [300, 30, 1000])
+def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms):
+    """The locality the cutter relies on (vad_regions.piece_spans), over random probabilities
+    and prefixes ending anywhere: every span of a prefix but its last two is a span of the
+    whole, whatever comes after."""
+    from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+
+    rng = np.random.default_rng(padding_ms)
+    for _ in range(40):
+        probs = _random_probabilities(rng)
+        samples = rng.normal(0, 0.1, len(probs) * WINDOW).astype(np.float32)
+        whole = RegionFinder(0.5, 200, 100)
+        whole.feed(probs)
+        spans = piece_spans(whole.regions + whole.open_region(len(samples)), probs, samples, len(samples), padding_ms)
+        for windows in rng.integers(1, len(probs), 30):
+            prefix = RegionFinder(0.5, 200, 100)
+            prefix.feed(probs[:windows])
+            end = int(windows) * WINDOW
+            settled = piece_spans(prefix.regions + prefix.open_region(end), probs[:windows], samples[:end], end,
+                                  padding_ms)[:-2]
+            assert settled == spans[: len(settled)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread niceness is set on Linux only")
+def test_preprocessing_threads_yield_the_cpu_to_the_engine(monkeypatch):
+    from asrserve.entrypoints import preprocess
+
+    seen = []
+
+    def load_audio(data, max_duration_s=None, on_progress=None):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return np.zeros(SR, np.float32)
+
+    monkeypatch.setattr(preprocess, "load_audio", load_audio)
+    pool = PreprocessPool(num_workers=1, max_duration_s=None)
+    try:
+        for _ in range(3):  # the thread is reused: its niceness is raised once
+            asyncio.run(pool.prepare(b"x"))
+    finally:
+        pool.shutdown()
+    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) + preprocess.PREPROCESS_NICENESS] * 3
