@@ -219,6 +219,7 @@ async def _run_job(
             job_params.request.max_completion_tokens, job_params.request.prompt,
         )
     except EngineDeadError as error:
+        prepared.cancel()  # the rest of the file need not be read
         raise engine_dead_error(error) from None
     job.on_first_output = waiting.release
     if job_params.request.stream:
