@@ -47,7 +47,8 @@ def load_audio(
         _check_duration(len(samples) / rate, max_duration_s)
         return to_model_input(samples, rate)
     try:
-        return to_model_input(_decode(source, max_duration_s, _Progress(on_progress)), SAMPLE_RATE)
+        # 16 kHz mono float32 already, and checked block by block (_MonoResampler._append)
+        return _decode(source, max_duration_s, _Progress(on_progress))
     except _ProgressFailed as failed:
         raise failed.error from None
 
@@ -132,7 +133,7 @@ class _MonoResampler:
     def finish(self) -> np.ndarray:
         if self.stream is not None:
             self.add(np.zeros(0, np.float32), last=True)
-        if self.num_frames == 0:
+        if self.length == 0:  # no frames, or too few to give one 16 kHz sample
             raise AudioError("audio is empty: it has no samples")
         return self.samples[: self.length]
 

@@ -115,21 +115,13 @@ class TranscriptionJob:
         self._samples += [piece.samples for piece in pieces]
         self.streams += self.engine.add(requests) if requests else []
 
-    async def _read_more(self) -> bool:
-        """Submits the pieces cut next; False once the audio has no more."""
-        if self._aborted:
-            return False
-        pieces = await self.audio.more()
-        if pieces is None:
-            return False
-        self._add_pieces(pieces)
-        self._pieces_added.set()
-        return True
-
     async def _read_rest(self) -> None:
+        """Submits each piece as the pool cuts it, until the audio has no more (or the job is
+        aborted); run() and deltas() run it beside their own work."""
         try:
-            while await self._read_more():
-                pass
+            while not self._aborted and (pieces := await self.audio.more()) is not None:
+                self._add_pieces(pieces)
+                self._pieces_added.set()
         finally:
             self._pieces_added.set()
 
@@ -238,19 +230,17 @@ class TranscriptionJob:
         """Waits for every piece's final decode (after any fallback and continuation) and
         returns the text; self.pieces holds each piece's tokens and summary, continuations in
         place after their parents. Past max_completion_tokens the rest is dropped."""
+        reader = asyncio.ensure_future(self._read_rest())
         chains = []
         try:
-            while True:
-                chains += [
-                    asyncio.ensure_future(self._decode_chain(stream, piece, samples))
-                    for stream, piece, samples in zip(
-                        self.streams[len(chains):], self.pieces[len(chains):], self._samples[len(chains):]
-                    )
-                ]
-                if not await self._read_more():
-                    break
+            while await self._has_piece(len(chains), reader):
+                index = len(chains)
+                chains.append(asyncio.ensure_future(
+                    self._decode_chain(self.streams[index], self.pieces[index], self._samples[index])
+                ))
             done = [await chain for chain in chains]
         finally:
+            reader.cancel()
             for chain in chains:  # a failed or cancelled job stops the rest of its pieces
                 chain.cancel()
         self.pieces = [piece for chain in done for piece in chain]
