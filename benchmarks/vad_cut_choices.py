@@ -17,7 +17,6 @@ decoded in separate windows (none: pieces fill up to 30 s whatever the pauses, t
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import soundfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import asrserve.audio.vad as vad
+import asrserve.audio.piece_cutter as piece_cutter
 from asrserve import ASR
 from asrserve.audio.chunking import ChunkingStrategy
 from benchmarks.long_form import build_sets, normalizer_for, score
@@ -45,9 +44,8 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="vad-cut-"))
     sets = build_sets(names, directory)
     asr = ASR(args.model)
-    default_cut = vad.vad_pieces
     for gap in [None if g == "none" else float(g) for g in args.max_gap_s.split(",")]:
-        vad.vad_pieces = default_cut if gap is None else functools.partial(default_cut, max_gap_ms=1000 * gap)
+        piece_cutter.MAX_GAP_MS = None if gap is None else 1000 * gap  # what cut_audio uses
         for padding in [int(p) for p in args.prefix_padding_ms.split(",")]:
             strategy = ChunkingStrategy("server_vad", prefix_padding_ms=padding)
             for name, files in sets.items():

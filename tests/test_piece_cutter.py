@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from asrserve.audio import decode, vad
+from asrserve.audio import decode, piece_cutter, vad
 from asrserve.audio.chunking import ChunkingStrategy, cut_audio, split_audio
 from asrserve.audio.decode import AudioError
 from asrserve.audio.piece_cutter import PieceCutter
@@ -60,17 +60,21 @@ def _bounds(pieces) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("block_windows", [vad.BLOCK_WINDOWS, 96])
 @pytest.mark.parametrize(
     "strategy",
-    [ChunkingStrategy("server_vad"), ChunkingStrategy("server_vad", 0.6, 500, 700), ChunkingStrategy("energy")],
-    ids=["vad-default", "vad-options", "energy"],
+    [(ChunkingStrategy("server_vad"), None), (ChunkingStrategy("server_vad", 0.6, 500, 700), None),
+     (ChunkingStrategy("server_vad"), 1500), (ChunkingStrategy("energy"), None)],
+    ids=["vad-default", "vad-options", "vad-max-gap", "energy"],
 )
 def test_pieces_cut_while_reading_are_those_of_the_whole(long_audio, strategy, block_windows, monkeypatch):
+    strategy, max_gap_ms = strategy
     monkeypatch.setattr(vad, "BLOCK_WINDOWS", block_windows)  # more blocks: more prefixes cut
+    monkeypatch.setattr(piece_cutter, "MAX_GAP_MS", max_gap_ms)  # benchmarks/vad_cut_choices.py's knob
     if strategy.type == "energy":
         whole = split_audio(long_audio)
     else:
         options = dict(threshold=strategy.threshold, prefix_padding_ms=strategy.prefix_padding_ms,
                        silence_duration_ms=strategy.silence_duration_ms)
-        whole = vad.vad_pieces(long_audio, **{name: value for name, value in options.items() if value is not None})
+        whole = vad.vad_pieces(long_audio, max_gap_ms=max_gap_ms,
+                               **{name: value for name, value in options.items() if value is not None})
     assert len(whole) >= 10 and _bounds(cut_audio(long_audio, strategy)) == _bounds(whole)
     for seed in range(3):
         pieces, early = _read_in_steps(PieceCutter(strategy), long_audio, seed)
@@ -154,8 +158,8 @@ def _random_probabilities(rng) -> np.ndarray:
     return np.concatenate(runs).astype(np.float32)
 
 
-@pytest.mark.parametrize("padding_ms", [300, 30, 1000])
-def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms):
+@pytest.mark.parametrize("padding_ms, max_gap_ms", [(300, None), (30, None), (1000, None), (300, 1500)])
+def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms, max_gap_ms):
     """The locality the cutter relies on (vad_regions.piece_spans), over random probabilities
     and prefixes ending anywhere: every span of a prefix but its last two is a span of the
     whole, whatever comes after."""
@@ -167,13 +171,14 @@ def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms):
         samples = rng.normal(0, 0.1, len(probs) * WINDOW).astype(np.float32)
         whole = RegionFinder(0.5, 200, 100)
         whole.feed(probs)
-        spans = piece_spans(whole.regions + whole.open_region(len(samples)), probs, samples, len(samples), padding_ms)
+        spans = piece_spans(whole.regions + whole.open_region(len(samples)), probs, samples, len(samples), padding_ms,
+                            max_gap_ms=max_gap_ms)
         for windows in rng.integers(1, len(probs), 30):
             prefix = RegionFinder(0.5, 200, 100)
             prefix.feed(probs[:windows])
             end = int(windows) * WINDOW
             settled = piece_spans(prefix.regions + prefix.open_region(end), probs[:windows], samples[:end], end,
-                                  padding_ms)[:-2]
+                                  padding_ms, max_gap_ms=max_gap_ms)[:-2]
             assert settled == spans[: len(settled)]
 
 

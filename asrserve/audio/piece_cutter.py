@@ -16,6 +16,9 @@ from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
 from asrserve.config import N_SAMPLES
 
 SPANS_LEFT_OPEN = 2  # a prefix's last two VAD pieces may still change (vad_regions.piece_spans)
+# A VAD piece also ends before a pause at least this long (None: pieces fill up to 30 s).
+# Measured in benchmarks/vad_cut_choices.py, which sets it; not a default.
+MAX_GAP_MS: float | None = None
 
 
 class PieceCutter:
@@ -72,6 +75,7 @@ class _IncrementalVad:
         self.padding_ms = vad.DEFAULT_PREFIX_PADDING_MS if strategy.prefix_padding_ms is None else strategy.prefix_padding_ms
         self.block_windows = vad.BLOCK_WINDOWS
         self.finder = RegionFinder(threshold, silence_ms, vad.DEFAULT_MIN_SPEECH_MS)
+        self.max_gap_ms = MAX_GAP_MS
         self.blocks: list[np.ndarray] = []
         self.lstm_state = None
 
@@ -92,4 +96,4 @@ class _IncrementalVad:
         probs = np.concatenate(self.blocks) if self.blocks else np.zeros(0, np.float32)
         end = len(samples) if final else done * WINDOW
         raw = self.finder.regions + self.finder.open_region(end)
-        return piece_spans(raw, probs, samples, end, self.padding_ms)
+        return piece_spans(raw, probs, samples, end, self.padding_ms, max_gap_ms=self.max_gap_ms)
