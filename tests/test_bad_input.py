@@ -5,6 +5,7 @@ gets its transcript."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import subprocess
 
@@ -111,6 +112,11 @@ BAD_FORMS = [
     ({"max_completion_tokens": "0"}, 400, "max_completion_tokens"),
     ({"max_completion_tokens": "many"}, 400, "max_completion_tokens"),
     ({"seed": "1.5"}, 400, "seed"),
+    # Past torch's 64-bit seeds: these took the engine, and the server, down.
+    ({"seed": str(2**64), "temperature": "0.5"}, 400, "seed"),
+    ({"seed": str(-(2**63) - 1), "temperature": "0.5"}, 400, "seed"),
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "inf"}, 400, "chunking_strategy"),
+    ({"chunking_strategy": '{"type": "server_vad", "silence_duration_ms": 1e400}'}, 400, "chunking_strategy"),
     ({"stream": "maybe"}, 400, "stream"),
     ({"temperature_fallback": "maybe"}, 400, "temperature_fallback"),
     ({"language": "klingon"}, 400, "language"),
@@ -125,6 +131,23 @@ BAD_FORMS = [
 def test_bad_fields_get_openai_errors(server, speech, then_good, data, status, param):
     error = _assert_error(_post(server, files={"file": ("a.wav", speech)}, data=data), status, param)
     assert len(error["message"]) < 500  # the message names the problem; it does not echo the input
+
+
+@pytest.mark.parametrize("temperature", ["1e-40", "1e-320"])
+def test_a_temperature_too_small_for_float32_samples_the_likeliest_tokens(server, speech, then_good, temperature):
+    """A temperature above 0 that float32 holds as 0 (or whose inverse is inf): it used to
+    divide the logits into NaN and draw a token past the vocabulary, killing the engine."""
+    greedy = _post(server, files={"file": ("a.wav", speech)}, data={"temperature_fallback": "false"})
+    for stream in ("false", "true"):
+        response = _post(server, files={"file": ("a.wav", speech)},
+                         data={"temperature": temperature, "seed": "3", "stream": stream})
+        assert response.status_code == 200, response.text
+        if stream == "false":
+            assert response.json()["text"] == greedy.json()["text"]
+        else:
+            events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][len("data: "):])["text"] == greedy.json()["text"]
 
 
 def test_an_enormous_prompt_under_the_field_limit_keeps_its_tail(server, speech, then_good, good_text):

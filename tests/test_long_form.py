@@ -295,6 +295,8 @@ def test_chunking_strategy_values():
         ("sometimes", "auto"), ({"type": "semantic"}, "type"), ({"type": "server_vad", "threshold": 2}, "threshold"),
         ({"type": "server_vad", "threshold": "high"}, "threshold"), ({"type": "server_vad", "speed": 1}, "speed"),
         ({"type": "server_vad", "prefix_padding_ms": 1.5}, "prefix_padding_ms"), (42, "auto"),
+        ({"type": "server_vad", "prefix_padding_ms": float("inf")}, "prefix_padding_ms"),
+        ({"type": "server_vad", "silence_duration_ms": "-inf"}, "silence_duration_ms"),
     ):
         with pytest.raises(ValueError, match=word):
             ChunkingStrategy.parse(bad, default)

@@ -3,9 +3,12 @@ and each row's draw independent of the rows beside it; log-normalisers with the 
 and in a batch (batch_invariant_logsumexp)."""
 
 import math
+import types
 
+import pytest
 import torch
 
+from asrserve.engine.request import SamplingParams
 from asrserve.worker import sampler
 from asrserve.worker.sampler import batch_invariant_logsumexp, sample_by_inverse_cdf
 
@@ -65,3 +68,21 @@ def test_a_rows_log_normaliser_has_the_same_bits_alone_and_in_a_batch():
         assert torch.equal(batch_invariant_logsumexp(logits[row : row + 1]), batched[row : row + 1])
     for rows in (2, 3):
         assert torch.equal(batch_invariant_logsumexp(logits[:rows]), batched[:rows])
+
+
+def test_a_temperature_float32_holds_as_zero_draws_the_likeliest_token():
+    """1e-40 is 0 in float32: dividing by it gave NaN and a token past the vocabulary. The
+    sampler divides by at least MIN_SAMPLING_TEMPERATURE, where only the top keeps weight."""
+    logits = torch.randn(8, 51864, generator=torch.Generator().manual_seed(3)) * 4
+    request = types.SimpleNamespace(temperature=1e-40)
+    temperature = sampler.sampling_temperature(request)
+    assert temperature > 0 and 1 / torch.tensor(temperature).item() < float("inf")
+    draws = _draw(logits, temperature, [torch.Generator().manual_seed(i) for i in range(8)])
+    assert draws.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_seeds_past_64_bits_are_refused():
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(temperature=0.5, seed=seed)
+    SamplingParams(temperature=0.5, seed=2**63 - 1)  # its samples' seeds still fit torch's

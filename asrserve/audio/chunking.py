@@ -83,7 +83,7 @@ def _number(value: dict, name: str, low, high, kind):
         if isinstance(raw, bool) or (kind is int and float(raw) != int(float(raw))):
             raise ValueError
         number = kind(float(raw))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
     if not low <= number <= high or number != number:
         raise ValueError(f"{name} must be between {low} and {high}, got {raw!r}")

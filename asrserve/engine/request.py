@@ -54,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"best_of must be between 1 and {MAX_BEST_OF}, got {self.best_of}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between {MIN_SEED} and {MAX_SEED}, got {self.seed}")
 
 
     @classmethod
@@ -78,6 +80,9 @@ FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 NO_SPEECH_THRESHOLD = 0.6
 DEFAULT_BEST_OF = 5
 MAX_BEST_OF = 16
+# A 64-bit signed seed. Each sample's generator is seeded with it plus 1000 a fallback level
+# and one a sample (DecodeGroup.seed), which torch takes up to 2**64 - 1.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from asrserve.engine.request import MAX_BEST_OF
+from asrserve.engine.request import MAX_BEST_OF, MAX_SEED, MIN_SEED
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 # Formats built from segment timestamps (the model decodes with timestamp tokens for them).
@@ -55,7 +55,7 @@ class TranscriptionRequest(BaseModel):
     stream: bool = False
     timestamp_granularities: list[Literal["word", "segment"]] = Field(default_factory=list)
     max_completion_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     # asrserve's extension (OpenAI SDK: extra_body={"temperature_fallback": False}): at
     # temperature 0, decode once instead of retrying failed pieces at higher temperatures.
     temperature_fallback: bool = True

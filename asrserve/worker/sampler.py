@@ -152,6 +152,18 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+# The lowest temperature sampling divides by. A request may ask for any temperature above 0, but
+# 1e-40 is 0 in float32 (and 1 / 1e-39 is inf): the division gave inf and NaN, and the draw a
+# token past the vocabulary, which took the engine down. At 1e-30 logits / t stays finite, and
+# any two float32 logits that differ at all already differ by ~1e24 after it: only the likeliest
+# token (and exact ties) keeps any weight, as at every temperature below, so no draw changes.
+MIN_SAMPLING_TEMPERATURE = 1e-30
+
+
+def sampling_temperature(request: Request) -> float:
+    return max(request.temperature, MIN_SAMPLING_TEMPERATURE)
+
+
 def batch_invariant_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """torch.logsumexp over the last dimension of [rows, vocab], with each row's bits the same
     whatever the row count. A lone row of more than 32768 entries takes torch's two-pass CPU
@@ -234,7 +246,7 @@ class Sampler:
         if logits.device.type == "cpu" and cpu_sampling.available():
             temperatures, uniforms = [0.0] * len(requests), [0.0] * len(requests)
             for i in sampled_rows:
-                temperatures[i] = requests[i].temperature
+                temperatures[i] = sampling_temperature(requests[i])
                 uniforms[i] = torch.rand(1, generator=self._generator(requests[i])).item()
             return SamplerOutput(*cpu_sampling.sample_rows(logits, temperatures, uniforms))
         # A chosen token's log-probability is its logit less the row's log-normaliser: one
@@ -243,7 +255,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         if sampled_rows:
             rows = self._rows(sampled_rows)
-            temperatures = to_device([requests[i].temperature for i in sampled_rows], torch.float32, self.device)
+            temperatures = to_device([sampling_temperature(requests[i]) for i in sampled_rows], torch.float32, self.device)
             generators = [self._generator(requests[i]) for i in sampled_rows]
             token_ids[rows] = sample_by_inverse_cdf(logits[rows], temperatures, generators)
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizers
