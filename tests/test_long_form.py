@@ -354,3 +354,53 @@ def test_streamed_long_audio_sends_each_segment_once(tiny_en_engine, speech_audi
     kept = _kept_in_order([SENTENCES[i] for i in chosen], job.text)
     assert sum(k >= 0.5 for k in kept) >= len(kept) - 2, (kept, job.text)
     assert tiny_en_engine.block_manager.num_free_blocks == tiny_en_engine.block_manager.num_blocks
+
+
+def test_max_completion_tokens_cuts_long_audio_where_it_is_reached(tiny_en_engine, speech_audio):
+    """Long audio decodes with timestamps, and the limit counts text tokens only: the transcript
+    is its first max_completion_tokens text tokens, never text from a later piece spliced on
+    (a limit that counted timestamps stopped piece 0 short, and piece 1 went on). Streamed, the
+    limit ends the job while the file is still being read: its usage and seconds are those of
+    what it showed."""
+    from asrserve.entrypoints.transcription_job import _text_tokens
+
+    chosen = [5, 6, 8, 9, 10, 12, 13, 14, 15, 1, 3] * 2
+    gap = np.zeros(int(0.6 * SAMPLE_RATE), np.float32)
+    audio = np.concatenate([part for index in chosen for part in (speech_audio[index], gap)])
+    core = tiny_en_engine
+    eot = core.tokenizer.special.eot
+    limit = 12
+
+    async def scenario():
+        engine = _LocalEngine(core)
+        stepper = asyncio.create_task(engine.run())
+        try:
+            once = SamplingParams.transcription(decode_once=True)
+            full = TranscriptionJob(engine, core.tokenizer, _engine_pieces(audio), None, "transcribe", once, None)
+            full_text = await full.run()
+            capped_params = SamplingParams.transcription(decode_once=True, max_tokens=limit)
+            capped = TranscriptionJob(engine, core.tokenizer, _engine_pieces(audio), None, "transcribe",
+                                      capped_params, limit)
+            capped_text = await capped.run()
+            # Streamed, with the file still being read: two pieces are cut, the rest never comes.
+            reading = PreparedAudio(_engine_pieces(audio).pieces[:2], None, expected_s=len(audio) / SAMPLE_RATE)
+            reading._queue = asyncio.Queue()
+            streamed = TranscriptionJob(engine, core.tokenizer, reading, None, "transcribe", capped_params, limit)
+            deltas = [delta async for delta in streamed.deltas()]
+            while core.has_work():
+                await asyncio.sleep(0.01)
+        finally:
+            stepper.cancel()
+        return full, full_text, capped, capped_text, streamed, deltas, reading
+
+    full, full_text, capped, capped_text, streamed, deltas, reading = asyncio.run(scenario())
+    full_tokens = [t for piece in full.pieces for t in _text_tokens(piece.token_ids, eot, None)]
+    capped_tokens = [t for piece in capped.pieces for t in _text_tokens(piece.token_ids, eot, None)]
+    assert len(_text_tokens(full.pieces[0].token_ids, eot, None)) > limit  # piece 0 alone reaches it
+    assert capped_tokens == full_tokens[:limit] and full_text.startswith(capped_text), (capped_text, full_text)
+    assert "".join(deltas) == streamed.text == capped_text
+    assert streamed.num_output_tokens == limit and streamed.num_decodes_shown == 1
+    assert streamed.duration_s is None and reading._cancelled.is_set()  # the reading was stopped
+    first = full.pieces[0]
+    assert streamed.seconds_transcribed == pytest.approx(first.offset_s + first.duration_s)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks

@@ -98,8 +98,13 @@ class EngineCore:
         prompt_len = len(tokens) + (3 + len(prefix) if detect_language else 0)
         limit = self.dims.n_text_ctx - prompt_len
         max_tokens = min(sampling_params.max_tokens or self.dims.n_text_ctx // 2, limit)
+        max_text_tokens = None
+        if sampling_params.max_tokens is not None and sampling_params.timestamps:
+            # A limit asked for counts text: the timestamp tokens around it only mark times.
+            max_tokens, max_text_tokens = limit, max_tokens
         request = Request(
-            request_id, audio, tokens, sampling_params, max_tokens, task=task, detect_language=detect_language,
+            request_id, audio, tokens, sampling_params, max_tokens, max_text_tokens=max_text_tokens, task=task,
+            detect_language=detect_language,
             sot_index=tokens.index(self.tokenizer.special.sot), prefix_token_ids=prefix, interactive=interactive,
             urgent=urgent, draft_token_ids=draft,
         )

@@ -19,7 +19,8 @@ class SamplingParams:
     temperature: float = 0.0
     # Seeds this request's own generator, so its samples do not depend on its neighbours.
     seed: int | None = None
-    # Tokens to generate at most; None: half the decoder context (Whisper's sample_len, 224).
+    # Tokens to generate at most (with timestamps: text tokens, the timestamp tokens not counted);
+    # None: half the decoder context, all tokens counted (Whisper's sample_len, 224).
     max_tokens: int | None = None
     # Decode with Whisper's timestamp tokens (segments) instead of <|notimestamps|>.
     timestamps: bool = False
@@ -156,6 +157,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         max_tokens: int,
+        max_text_tokens: int | None = None,
         task: str = "transcribe",
         detect_language: bool = False,
         sot_index: int = 0,
@@ -167,7 +169,8 @@ class Request:
         self.request_id = request_id
         self.audio = audio  # 16 kHz mono float32, at most 30 s
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens  # output tokens at most, timestamps included
+        self.max_text_tokens = max_text_tokens  # and text tokens (below <|endoftext|>), if limited
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -224,7 +227,8 @@ class Request:
         limits, with cross-attention K/V already written (the blocks are shared by the block
         manager)."""
         sibling = Request(
-            request_id, self.audio, self.prompt_token_ids, self.sampling_params, self.max_tokens, task=self.task,
+            request_id, self.audio, self.prompt_token_ids, self.sampling_params, self.max_tokens,
+            max_text_tokens=self.max_text_tokens, task=self.task,
             sot_index=self.sot_index, interactive=self.interactive, urgent=self.urgent,
         )
         sibling.primary = self
@@ -233,6 +237,14 @@ class Request:
         sibling.no_speech_prob = self.no_speech_prob
         sibling.cross_kv_written = True
         return sibling
+
+    def at_length_limit(self, max_model_len: int, eot: int) -> bool:
+        """It may write no more: max_tokens outputs, the decoder's context full, or
+        max_text_tokens text tokens (counted only where that is limited)."""
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            return True
+        limit = self.max_text_tokens
+        return limit is not None and sum(1 for token in self.output_token_ids if token < eot) >= limit
 
     @property
     def is_sibling(self) -> bool:

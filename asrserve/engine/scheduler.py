@@ -191,7 +191,7 @@ class Scheduler:
             request.alignment_scores.append(alignment)
         if token_id == self.tokenizer.special.eot:
             return True, self._complete(request, "stop")
-        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.at_length_limit(self.max_model_len, self.tokenizer.special.eot):
             return True, self._complete(request, "length")
         if is_looping(request, self.tokenizer):
             return True, self._complete(request, "stop")

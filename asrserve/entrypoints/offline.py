@@ -182,9 +182,13 @@ class ASR:
         if errors not in ("raise", "return"):
             raise ValueError("errors must be 'raise' or 'return'")
         timestamps = timestamps or word_timestamps
+        # Word times come from aligning each decode up to its end: a decode stopped at max_tokens
+        # has no end to align, so with words each piece decodes to its end and is cut after.
+        text_limit = max_tokens if word_timestamps else None
         try:
             params = SamplingParams.transcription(
-                temperature, decode_once=not fallback, seed=seed, max_tokens=max_tokens, timestamps=timestamps,
+                temperature, decode_once=not fallback, seed=seed, max_tokens=None if text_limit else max_tokens,
+                timestamps=timestamps,
                 word_timestamps=word_timestamps, best_of=best_of,
             )
         except ValueError as error:
@@ -251,7 +255,7 @@ class ASR:
                     if job.remaining == 0:
                         if bar is not None:
                             bar.update(1)
-                        yield job.index, self._finish(job, params)
+                        yield job.index, self._finish(job, params, text_limit)
                     in_flight += job.remaining
                 if not engine.has_work():
                     break
@@ -267,7 +271,7 @@ class ASR:
                         if job.remaining == 0:
                             if bar is not None:
                                 bar.update(1)
-                            yield job.index, self._finish(job, params)
+                            yield job.index, self._finish(job, params, text_limit)
         finally:
             for request_id in list(requests):  # the caller stopped early: free everything
                 engine.abort(request_id)
@@ -285,9 +289,11 @@ class ASR:
             raise InvalidRequestError(f"language: {len(languages)} codes for {num_sources} inputs")
         return [self.engine.check_language(code, task) for code in languages]
 
-    def _finish(self, job: _Job, params: SamplingParams) -> Transcription:
+    def _finish(self, job: _Job, params: SamplingParams, text_limit: int | None) -> Transcription:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
+        for piece in job.pieces if text_limit else ():
+            piece.truncate_text(text_limit, self.tokenizer.special.eot)
         drop_repeated_words(self.tokenizer, job.pieces)
         language = next((piece.language for piece in job.pieces if piece.language), None)
         spoken = [piece for piece in job.pieces if not piece.is_silence]

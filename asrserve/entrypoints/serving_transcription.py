@@ -123,8 +123,11 @@ class TranscriptionParams:
         if params.stream and params.best_of is not None and params.best_of > 1:
             # Streamed text is sent as it is decoded: there is one sample to send.
             raise APIError(400, "best_of: a streamed transcription decodes one sample", param="best_of")
+        # Word times come from aligning each decode up to its end: with words, pieces decode to
+        # their end and the job cuts the text at max_completion_tokens after.
+        max_tokens = None if self.words and not params.ignore_eos else params.max_completion_tokens
         self.sampling = SamplingParams.transcription(
-            params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
+            params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=max_tokens,
             timestamps=self.timestamps, word_timestamps=self.words, best_of=params.best_of,
             ignore_eos=params.ignore_eos, stream_tokens=params.stream,
         )
@@ -286,7 +289,7 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
     try:
         async for delta in job.deltas():
             yield _sse({"type": "transcript.text.delta", "delta": delta})
-        audio_tokens = len(job.requests) * 1500
+        audio_tokens = job.num_decodes_shown * 1500
         usage = {
             "type": "tokens",
             "input_tokens": audio_tokens,
@@ -313,7 +316,7 @@ def _sse(payload: dict) -> str:
 
 def _record_job(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams) -> None:
     metrics, endpoint = state.metrics, job_params.endpoint
-    metrics.audio_seconds.labels(endpoint).inc(job.duration_s)
+    metrics.audio_seconds.labels(endpoint).inc(job.seconds_transcribed)
     metrics.output_tokens.labels(endpoint).inc(job.num_output_tokens)
     if job.first_token_time is not None:
         metrics.time_to_first_token.labels(endpoint).observe(job.first_token_time - job_params.arrival)

@@ -87,6 +87,10 @@ class TranscriptionJob:
         self.sampling_params = long_form_params(sampling_params, audio.duration_s if audio.complete else math.inf)
         self.text = ""
         self.num_output_tokens = 0
+        # Decodes (pieces and continuations) whose text the streamed transcript went through:
+        # the streamed usage counts their audio, the same whenever the reading stopped.
+        self.num_decodes_shown = 0
+        self._shown_until_s = 0.0  # where the last of them ends in the audio
         self.first_token_time: float | None = None
         self.on_first_output: Callable[[], None] | None = None  # the engine has started on it
         self._prefix = f"tr-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
@@ -103,6 +107,14 @@ class TranscriptionJob:
     def duration_s(self) -> float | None:
         """The audio's length, once it has all been read."""
         return self.audio.duration_s
+
+    @property
+    def seconds_transcribed(self) -> float:
+        """The audio's length; for a stream that max_completion_tokens ended before the file was
+        all read, where its last shown piece ends."""
+        if self.duration_s is not None:
+            return self.duration_s
+        return self._shown_until_s
 
     def _add_pieces(self, pieces: list[AudioPiece]) -> None:
         # The prompt goes to every piece: they decode side by side, so none can take the text
@@ -194,6 +206,8 @@ class TranscriptionJob:
             text = IncrementalText(self.tokenizer)
             piece_started = False
             budget = None if self.max_completion_tokens is None else self.max_completion_tokens - self.num_output_tokens
+            self.num_decodes_shown += 1
+            self._shown_until_s = max(self._shown_until_s, piece.offset_s + piece.duration_s)
             async for output in stream:
                 self._on_output(output)
                 assert not output.restarted, "a streamed request was decoded again"
