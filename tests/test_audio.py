@@ -74,6 +74,23 @@ def test_bad_audio_gives_clear_errors(source, message):
         load_audio(source)
 
 
+def test_a_flac_cut_off_after_its_first_blocks_keeps_what_it_holds(tmp_path):
+    """An upload that breaks off ("flac decoder lost sync") past libsndfile's first block of
+    44.1 kHz stereo (~12 s): what was decoded stays, and the failed block is read up to the
+    damage. With pieces cut while reading it used to be refused, since starting over in ffmpeg
+    would send them twice."""
+    rate, seconds = 44_100, 30
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, (rate * seconds, 2)).astype(np.float32)
+    soundfile.write(tmp_path / "whole.flac", noise, rate)
+    data = (tmp_path / "whole.flac").read_bytes()
+    cut = data[: int(len(data) * 0.6)]
+    seen = []
+    samples = load_audio(cut, on_progress=lambda so_far, declared_s: seen.append(len(so_far)))
+    assert len(seen) >= 2  # pieces could have been cut before the damage was found
+    assert 0.6 * seconds - 1 < len(samples) / SAMPLE_RATE < 0.6 * seconds + 0.5
+    np.testing.assert_array_equal(samples[: seen[0]], load_audio(data)[: seen[0]])
+
+
 def test_wav_with_zero_samples(tmp_path):
     path = tmp_path / "empty.wav"
     soundfile.write(path, np.zeros(0, np.float32), SR)

@@ -149,12 +149,10 @@ class _ProgressFailed(Exception):
 class _Progress:
     def __init__(self, callback: ProgressCallback | None):
         self.callback = callback
-        self.called = False
 
     def __call__(self, samples: np.ndarray, declared_s: float) -> None:
         if self.callback is None:
             return
-        self.called = True
         try:
             self.callback(samples, declared_s)
         except Exception as error:
@@ -172,9 +170,7 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
     start = source.tell() if hasattr(source, "tell") else None
     try:
         return _decode_soundfile(source, max_duration_s, on_progress)
-    except soundfile.LibsndfileError as error:
-        if on_progress.called:  # what it saw would be seen again from the start
-            raise AudioError(f"could not decode audio: {_one_line(error)}") from None
+    except soundfile.LibsndfileError:
         # Containers libsndfile does not read (mp4/m4a, webm, aac, wma, ...): ffmpeg via PyAV.
         if start is not None:
             source.seek(start)
@@ -182,6 +178,7 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
 
 
 def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
+    start = source.tell() if hasattr(source, "tell") else None
     try:
         with soundfile.SoundFile(source) as file:
             if file.samplerate > 0 and file.frames > 0:
@@ -189,13 +186,41 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
             resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
-            while len(block := file.read(block_frames, dtype="float32", always_2d=True)):
+            while True:
+                try:
+                    block = file.read(block_frames, dtype="float32", always_2d=True)
+                except soundfile.LibsndfileError:
+                    if not resampler.num_frames:
+                        raise  # not a file libsndfile reads after all: ffmpeg tries it
+                    _read_up_to_the_damage(source, start, resampler)
+                    break
+                if not len(block):
+                    break
                 resampler.add(block)
             return resampler.finish()
     except (soundfile.LibsndfileError, AudioError):
         raise
     except (RuntimeError, TypeError, ValueError) as error:
         raise AudioError(f"could not decode audio: {_one_line(error)}") from None
+
+
+SALVAGE_FRAMES = 4096
+
+
+def _read_up_to_the_damage(source, start: int | None, resampler: _MonoResampler) -> None:
+    """A file that breaks off after blocks were decoded (a truncated upload: "flac decoder lost
+    sync") keeps what it holds, as ffmpeg keeps a truncated MP3's frames: the failed block is
+    read again in small steps up to the damage, through a new handle (the failed one cannot
+    seek). Starting again in ffmpeg would send the pieces already cut a second time."""
+    if start is not None:
+        source.seek(start)
+    try:
+        with soundfile.SoundFile(source) as file:
+            file.seek(resampler.num_frames)
+            while len(block := file.read(SALVAGE_FRAMES, dtype="float32", always_2d=True)):
+                resampler.add(block)
+    except soundfile.LibsndfileError:
+        pass
 
 
 def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
