@@ -532,6 +532,7 @@ def test_bad_audio_found_after_the_first_pieces_left(server, long_speech):
     streamed = httpx.post(url, files={"file": wav.getvalue()}, data={"stream": "true"}, headers=headers, timeout=60)
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert streamed.status_code == 200 and "error" in events[-1] and "NaN" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["code"] == "invalid_audio" and events[-1]["error"]["param"] == "file"
     assert not any(event.get("type") == "transcript.text.done" for event in events)
     metrics = _wait_idle(server)
     assert metrics["asrserve_kv_cache_blocks_used"] == 0 and metrics["asrserve_num_requests_running"] == 0

@@ -206,13 +206,30 @@ def test_translation_and_language_detection(base_server, tmp_path):
     assert "morning" in translation.lower() or "tomorrow" in translation.lower(), translation
     with open(german, "rb") as file:
         verbose = client.audio.translations.create(model="base", file=file, response_format="verbose_json")
-    assert verbose.task == "translate" and verbose.language == "de" and verbose.segments
+    # OpenAI's type: "the language of the output translation (always english)"
+    assert verbose.task == "translate" and verbose.language == "en" and verbose.segments
     assert verbose.text == " ".join(s.text.strip() for s in verbose.segments)
     assert len(set(re.findall(r"[a-z]+", verbose.text.lower())) & ENGLISH_WORDS) >= 2, verbose.text
     response = httpx.post(
         f"{base_server.url}/v1/audio/transcriptions", files={"file": german.read_bytes()}, data={"language": "xx"}
     )
     _assert_error(response, 400, "language")
+
+
+def test_silence_on_a_multilingual_model_still_names_a_language(base_server):
+    """No audio reaches the model (digital silence; no speech found in 40 s of noise), so
+    none is detected: verbose_json still names one, as OpenAI's types require."""
+    from openai.types.audio import TranscriptionVerbose
+
+    noise = np.random.default_rng(1).normal(0, 0.003, 40 * SAMPLE_RATE).astype(np.float32)
+    for audio in (np.zeros(5 * SAMPLE_RATE, np.float32), noise):
+        wav = io.BytesIO()
+        soundfile.write(wav, audio, SAMPLE_RATE, format="WAV")
+        response = httpx.post(f"{base_server.url}/v1/audio/transcriptions", files={"file": wav.getvalue()},
+                              data={"response_format": "verbose_json"}, timeout=120)
+        assert response.status_code == 200, response.text
+        body = TranscriptionVerbose.model_validate(response.json())
+        assert body.language == "en" and body.text == ""
 
 
 # --- start-up failures -------------------------------------------------------------------

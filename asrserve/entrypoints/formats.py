@@ -44,6 +44,15 @@ def to_vtt(segments: list[Segment]) -> str:
     return "WEBVTT\n\n" + cues
 
 
+def _reported_language(task: str, language: str | None) -> str:
+    """OpenAI's types require a language. A translation's is its output's, English. A
+    transcription of which no audio reached the model (digital silence, no speech found) on a
+    multilingual model has none detected: English, as Whisper reads silence."""
+    if task == "translate" or language is None:
+        return "en"
+    return language
+
+
 def to_verbose_json(
     task: str,
     language: str | None,
@@ -55,7 +64,7 @@ def to_verbose_json(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "task": task,
-        "language": language,
+        "language": _reported_language(task, language),
         "duration": round(duration_s, 3),
         "text": text,
         "segments": [

@@ -305,7 +305,7 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
     except InvalidRequestError as error:
         yield _sse(error_body(str(error), "invalid_request_error"))
     except AudioError as error:
-        yield _sse(error_body(str(error), "invalid_request_error", param="file"))
+        yield _sse(_audio_error(error).body())
     finally:
         job.abort()
 
