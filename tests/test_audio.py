@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 
 import numpy as np
@@ -89,6 +90,27 @@ def test_a_flac_cut_off_after_its_first_blocks_keeps_what_it_holds(tmp_path):
     assert len(seen) >= 2  # pieces could have been cut before the damage was found
     assert 0.6 * seconds - 1 < len(samples) / SAMPLE_RATE < 0.6 * seconds + 0.5
     np.testing.assert_array_equal(samples[: seen[0]], load_audio(data)[: seen[0]])
+
+
+def test_an_mp3s_estimated_length_neither_refuses_nor_is_reported():
+    """Without a Xing header libsndfile estimates an MP3's length from its first frame: for a
+    VBR file that starts quiet, 22 s came out as ~60. The length is checked, and reported to
+    on_progress, as the file is decoded."""
+    require_ffmpeg()
+    quiet_then_loud = np.concatenate([np.zeros(2 * SAMPLE_RATE), np.random.default_rng(0).uniform(-0.5, 0.5, 20 * SAMPLE_RATE)])
+    wav = io.BytesIO()
+    soundfile.write(wav, quiet_then_loud.astype(np.float32), SAMPLE_RATE, format="WAV")
+    mp3 = subprocess.run(
+        ["ffmpeg", "-loglevel", "error", "-i", "pipe:0", "-c:a", "libmp3lame", "-q:a", "6", "-write_xing", "0",
+         "-f", "mp3", "pipe:1"], input=wav.getvalue(), capture_output=True, check=True,
+    ).stdout
+    with soundfile.SoundFile(io.BytesIO(mp3)) as file:
+        assert file.frames / file.samplerate > 40  # the estimate
+    declared = []
+    samples = load_audio(mp3, max_duration_s=30, on_progress=lambda so_far, declared_s: declared.append(declared_s))
+    assert abs(len(samples) / SAMPLE_RATE - 22) < 0.2 and set(declared) == {0.0}
+    with pytest.raises(AudioTooLongError):
+        load_audio(mp3, max_duration_s=15)
 
 
 def test_wav_with_zero_samples(tmp_path):

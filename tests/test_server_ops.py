@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import re
 import subprocess
 import sys
@@ -139,6 +140,64 @@ def test_audio_in_flight_is_bounded_and_a_lone_request_always_goes_in(speech_aud
         assert process.metrics()["asrserve_audio_seconds_in_flight"] == 0
     finally:
         process.stop()
+
+
+def test_audio_in_flight_follows_files_read_while_their_pieces_decode(speech_audio):
+    """A long file's first pieces reach the engine while the rest is read, and a WebM's header
+    gives no length, so a request is first charged what was read. The charge follows the
+    reading: three 150 s files at once under a 200 s limit cannot all go on (each was charged
+    ~65 s when its first pieces left); those that grow past it end with 429, plain or streamed."""
+    from tests.conftest import require_ffmpeg
+
+    require_ffmpeg()
+    audio = np.concatenate(speech_audio * 12)[: 150 * SAMPLE_RATE]
+    wav = io.BytesIO()
+    soundfile.write(wav, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    # WebM written to a pipe, as a browser's MediaRecorder makes it: no length in its header.
+    webm = subprocess.run(["ffmpeg", "-loglevel", "error", "-i", "pipe:0", "-c:a", "libopus", "-f", "webm", "pipe:1"],
+                          input=wav.getvalue(), capture_output=True, check=True).stdout
+    process = ServerProcess(["--max-audio-in-flight-s", "200", "--preprocess-workers", "2"])
+    try:
+        url = f"{process.wait_ready().url}/v1/audio/transcriptions"
+        for stream in ("false", "true"):
+            held, done = [], threading.Event()
+
+            def watch():  # what the server holds, through the requests
+                while not done.wait(0.02):
+                    held.append(process.metrics()["asrserve_audio_seconds_in_flight"])
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            with ThreadPoolExecutor(3) as pool:
+                responses = list(pool.map(
+                    lambda _: httpx.post(url, files={"file": webm}, data={"stream": stream}, timeout=300), range(3)))
+            done.set()
+            watcher.join()
+            # Charged as read (one ~65 s decode block at a time), settled at the end without a
+            # check: at most the limit and one block. Charged only the first block, two went on
+            # and held 300 s.
+            assert max(held) <= 200 + 66, max(held)
+            refused = []
+            for response in responses:
+                if response.status_code == 429:  # refused before any text went out
+                    refused.append(_assert_error(response, 429, code="server_busy"))
+                elif stream == "true" and "transcript.text.done" not in response.text:
+                    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+                    refused.append(events[-1]["error"])
+                else:
+                    assert response.status_code == 200, response.text
+            assert 1 <= len(refused) <= 2, [response.text[:200] for response in responses]
+            assert all(error["code"] == "server_busy" and "in flight" in error["message"] for error in refused)
+            assert _wait_until_idle(process)["asrserve_audio_seconds_in_flight"] == 0
+    finally:
+        process.stop()
+
+
+def _wait_until_idle(process, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while (metrics := process.metrics())["asrserve_num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return metrics
 
 
 def test_an_hour_long_mp3_at_the_default_limits_keeps_its_times(speech_audio):

@@ -93,7 +93,8 @@ class _MonoResampler:
     is too high costs nothing; one that is too low costs a copy."""
 
     def __init__(
-        self, rate: int, max_duration_s: float | None, declared_frames: int = 0, on_progress: _Progress | None = None
+        self, rate: int, max_duration_s: float | None, declared_frames: int = 0, on_progress: _Progress | None = None,
+        declared_exact: bool = True,
     ):
         if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
             raise AudioError(f"audio has an unsupported sample rate of {rate} Hz")
@@ -105,7 +106,7 @@ class _MonoResampler:
         declared_s = min(max(declared_frames, 0) / rate, max_duration_s or MAX_PREALLOCATED_S, MAX_PREALLOCATED_S)
         self.samples = np.empty(int(declared_s * SAMPLE_RATE) + SAMPLE_RATE, np.float32)
         self.length = 0
-        self.declared_s = declared_s
+        self.declared_s = declared_s if declared_exact else 0.0  # what on_progress is told (0: unknown)
         self.on_progress = on_progress or _Progress(None)
 
     def add(self, block: np.ndarray, last: bool = False) -> None:
@@ -181,9 +182,13 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
     start = source.tell() if hasattr(source, "tell") else None
     try:
         with soundfile.SoundFile(source) as file:
-            if file.samplerate > 0 and file.frames > 0:
+            # An MP3's frame count is the decoder's estimate from its first frame unless a Xing
+            # header gives it: a VBR file without one declared 6549 s for 1243. It sizes the
+            # buffer; the length is checked, and reported, as the file is decoded.
+            exact = file.format != "MP3"
+            if file.samplerate > 0 and file.frames > 0 and exact:
                 _check_duration(file.frames / file.samplerate, max_duration_s)
-            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
+            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress, exact)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
             while True:

@@ -37,12 +37,16 @@ class PreparedAudio:
     def __init__(self, pieces: list[AudioPiece], duration_s: float | None, expected_s: float | None = None):
         self.pieces = list(pieces)
         self.duration_s = duration_s
-        # For admission before the end is read: the header's duration, or what was read so far.
+        # For admission before the end is read: the header's duration (when exact), or what was
+        # read so far.
         self.expected_s = duration_s if duration_s is not None else expected_s or 0.0
         self._queue: asyncio.Queue | None = None  # what the pool's thread sends, until complete
         self._cancelled = threading.Event()
         self._future: Future | None = None
         self.on_complete: Callable[[float], None] | None = None  # called with duration_s
+        # Called with expected_s as reading passes it; what it raises ends the reading and comes
+        # out of more() (the server's charge for audio in flight).
+        self.on_read: Callable[[float], None] | None = None
 
     @property
     def complete(self) -> bool:
@@ -61,6 +65,12 @@ class PreparedAudio:
             raise item
         pieces, expected_s, duration_s = item
         self.pieces += pieces
+        if expected_s > self.expected_s and duration_s is None and self.on_read is not None:
+            try:
+                self.on_read(expected_s)
+            except Exception:
+                self.cancel()
+                raise
         self.expected_s = max(self.expected_s, expected_s)
         if duration_s is not None:
             self.duration_s = self.expected_s = duration_s

@@ -20,6 +20,7 @@ from asrserve.audio.decode import AudioError, AudioTooLongError
 from asrserve.engine.async_client import EngineDeadError
 from asrserve.engine.request import SamplingParams
 from asrserve.engine.request_checks import check_language
+from asrserve.entrypoints.admission import AudioHeld, WaitingSlot
 from asrserve.entrypoints.auth import authorize
 from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
 from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
@@ -64,7 +65,7 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
             429, f"the server is at capacity ({state.num_waiting} requests waiting); retry shortly",
             type="rate_limit_error", code="server_busy", headers={"Retry-After": "1"},
         )
-    waiting = _WaitingSlot(state)
+    waiting = WaitingSlot(state)
     try:
         try:
             form = await read_form(
@@ -140,54 +141,8 @@ def _chunking_strategy(value: str | dict | None, default: ChunkingStrategy) -> C
         raise APIError(400, f"chunking_strategy: {error}", param="chunking_strategy") from None
 
 
-class _WaitingSlot:
-    """Counts a request against --max-waiting-requests until its text starts (or it ends)."""
-
-    def __init__(self, state: ServerState):
-        self.state = state
-        self.held = True
-        self.handed_off = False  # a streaming response owns it now
-        state.num_waiting += 1
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.state.num_waiting -= 1
-
-
-class _AudioHeld:
-    """Counts a transcription's decoded audio against --max-audio-in-flight-s until it ends: an
-    hour is 230 MB as float32, held here and again in the engine, so the bound on requests
-    waiting alone does not bound memory once uploads are hours long."""
-
-    def __init__(self, state: ServerState, seconds: float):
-        # Whole milliseconds: a float sum would not come back to exactly 0 (a lone request
-        # always goes in, whatever its length).
-        in_flight_ms, self.ms = state.audio_ms_in_flight, round(seconds * 1000)
-        limit = state.config.max_audio_in_flight_s
-        if in_flight_ms and in_flight_ms + self.ms > limit * 1000:
-            raise APIError(
-                429, f"the server holds {in_flight_ms / 1000:.0f} s of audio in flight, and this file's {seconds:.0f} s "
-                f"would pass its limit of {limit:.0f} s; retry shortly", type="rate_limit_error", code="server_busy",
-                headers={"Retry-After": "5"},
-            )
-        self.state = state
-        state.audio_ms_in_flight += self.ms
-
-    def settle(self, seconds: float) -> None:
-        """The file's length, known once it is all read (it was charged what its header said)."""
-        if self.ms:
-            ms = round(seconds * 1000)
-            self.state.audio_ms_in_flight += ms - self.ms
-            self.ms = ms
-
-    def release(self) -> None:
-        self.state.audio_ms_in_flight -= self.ms
-        self.ms = 0
-
-
 async def _transcribe(
-    state: ServerState, audio: bytearray, job_params: TranscriptionParams, waiting: _WaitingSlot
+    state: ServerState, audio: bytearray, job_params: TranscriptionParams, waiting: WaitingSlot
 ) -> Response:
     try:
         prepared = await state.pool.prepare(audio, job_params.chunking)
@@ -195,10 +150,11 @@ async def _transcribe(
         raise _audio_error(error) from None
     del audio
     try:
-        held = _AudioHeld(state, prepared.expected_s)
+        held = AudioHeld(state, prepared.expected_s)
     except APIError:
         prepared.cancel()
         raise
+    prepared.on_read = held.grow
     prepared.on_complete = held.settle
     try:
         return await _run_job(state, prepared, job_params, waiting, held)
@@ -213,8 +169,8 @@ def _audio_error(error: AudioError) -> APIError:
 
 
 async def _run_job(
-    state: ServerState, prepared: PreparedAudio, job_params: TranscriptionParams, waiting: _WaitingSlot,
-    held: _AudioHeld,
+    state: ServerState, prepared: PreparedAudio, job_params: TranscriptionParams, waiting: WaitingSlot,
+    held: AudioHeld,
 ) -> Response:
     try:
         job = TranscriptionJob(
@@ -306,6 +262,8 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
         yield _sse(error_body(str(error), "invalid_request_error"))
     except AudioError as error:
         yield _sse(_audio_error(error).body())
+    except APIError as error:  # the file grew past --max-audio-in-flight-s as it was read
+        yield _sse(error.body())
     finally:
         job.abort()
 
