@@ -301,6 +301,31 @@ def test_max_completion_tokens_keeps_word_times(server, speech_files):
             assert abs(word["start"] - reference["start"]) < 0.3, (limit, capped, full)
 
 
+def test_include_logprobs(client, server, speech_files, long_speech):
+    """OpenAI's include[]=logprobs: each text token with its log-probability, in the json body
+    and, streamed, in each delta (the tokens its text came from) and the done event; json only."""
+    for path in (speech_files[6], long_speech[0]):  # long audio decodes with timestamps inside
+        with open(path, "rb") as file:
+            result = client.audio.transcriptions.create(model="tiny.en", file=file, include=["logprobs"])
+        assert result.logprobs and "".join(entry.token for entry in result.logprobs).strip() == result.text
+        for entry in result.logprobs:  # (the SDK's type reads bytes as floats)
+            assert entry.logprob <= 0 and bytes(map(int, entry.bytes)).decode() == entry.token
+        with open(path, "rb") as file:
+            events = list(client.audio.transcriptions.create(model="tiny.en", file=file, include=["logprobs"],
+                                                             stream=True))
+        deltas, done = events[:-1], events[-1]
+        streamed = [entry for event in deltas for entry in event.logprobs]
+        assert [e.token for e in streamed] == [e.token for e in done.logprobs]
+        assert "".join(entry.token for entry in streamed).strip() == done.text
+        for event in deltas:
+            assert "".join(entry.token for entry in event.logprobs).strip() == event.delta.strip()
+    plain = client.audio.transcriptions.create(model="tiny.en", file=speech_files[6].read_bytes())
+    assert plain.logprobs is None
+    audio = speech_files[6].read_bytes()
+    for data in ({"include[]": "logprobs", "response_format": "verbose_json"}, {"include[]": "everything"}):
+        _assert_error(_post(server, files={"file": audio}, data=data), 400, param="include")
+
+
 # --- timestamps, subtitles, prompts ---------------------------------------------------------
 
 

@@ -54,6 +54,8 @@ class TranscriptionRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     stream: bool = False
     timestamp_granularities: list[Literal["word", "segment"]] = Field(default_factory=list)
+    # OpenAI's include[]: "logprobs" gives each text token's log-probability (json only).
+    include: list[Literal["logprobs"]] = Field(default_factory=list)
     max_completion_tokens: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     # asrserve's extension (OpenAI SDK: extra_body={"temperature_fallback": False}): at
@@ -83,7 +85,7 @@ class TranscriptionRequest(BaseModel):
                 strategy = values.setdefault("chunking_strategy", {})
                 if isinstance(strategy, dict):
                     strategy[key[len("chunking_strategy[") : -1]] = items[-1]
-            elif key == "timestamp_granularities":
+            elif key in ("timestamp_granularities", "include"):
                 values.setdefault(key, []).extend(items)
             else:
                 values[key] = items[-1]
@@ -103,6 +105,8 @@ def validation_error(errors) -> APIError:
         message = f"response_format must be one of {', '.join(RESPONSE_FORMATS)}"
     elif first["type"] == "literal_error" and param == "timestamp_granularities":
         message = "timestamp_granularities[] must be 'word' or 'segment'"
+    elif first["type"] == "literal_error" and param == "include":
+        message = "include[] may only be 'logprobs'"
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 

@@ -24,6 +24,7 @@ from asrserve.entrypoints.admission import AudioHeld, WaitingSlot
 from asrserve.entrypoints.auth import authorize
 from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
 from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
+from asrserve.entrypoints.live_decode import logprob_entry
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.entrypoints.protocol import (
     TIMESTAMPED_FORMATS,
@@ -99,6 +100,8 @@ def _check_format(params: TranscriptionRequest) -> None:
             400, f"response_format {params.response_format!r} is not available with stream=true: streaming sends "
             "text deltas; use json or text, or stream=false", param="stream",
         )
+    if params.include and params.response_format != "json":
+        raise APIError(400, "include[]=logprobs needs response_format=json", param="include")
     if "word" in params.timestamp_granularities and params.response_format != "verbose_json":
         raise APIError(
             400, "timestamp_granularities[]=word needs response_format=verbose_json", param="timestamp_granularities",
@@ -181,6 +184,7 @@ async def _run_job(
         prepared.cancel()  # the rest of the file need not be read
         raise engine_dead_error(error) from None
     job.on_first_output = waiting.release
+    job.keep_logprobs = bool(job_params.request.include)
     if job_params.request.stream:
         waiting.handed_off = True  # the response releases it, however the stream ends
 
@@ -214,7 +218,10 @@ def _render(state: ServerState, job: TranscriptionJob, job_params: Transcription
     if response_format == "text":
         return PlainTextResponse(text + "\n")
     if response_format == "json":
-        return JSONResponse({"text": text, "usage": usage_duration(job.duration_s)})
+        body = {"text": text, "usage": usage_duration(job.duration_s)}
+        if job_params.request.include:
+            body["logprobs"] = _logprob_entries(state, job.text_logprobs())
+        return JSONResponse(body)
     segments = build_segments(state.tokenizer, job.pieces, job.language, words=job_params.words)
     if response_format == "srt":
         return Response(to_srt(segments), media_type=CONTENT_TYPES["srt"])
@@ -242,9 +249,14 @@ class _CleanupStreamingResponse(StreamingResponse):
 
 
 async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams) -> AsyncIterator[str]:
+    include_logprobs, sent = bool(job_params.request.include), 0
     try:
         async for delta in job.deltas():
-            yield _sse({"type": "transcript.text.delta", "delta": delta})
+            event = {"type": "transcript.text.delta", "delta": delta}
+            if include_logprobs:  # the tokens this delta's text came from
+                event["logprobs"] = _logprob_entries(state, job.shown_logprobs[sent:])
+                sent = len(job.shown_logprobs)
+            yield _sse(event)
         audio_tokens = job.num_decodes_shown * 1500
         usage = {
             "type": "tokens",
@@ -253,7 +265,10 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
             "output_tokens": job.num_output_tokens,
             "total_tokens": audio_tokens + job.num_output_tokens,
         }
-        yield _sse({"type": "transcript.text.done", "text": job.text, "usage": usage})
+        done = {"type": "transcript.text.done", "text": job.text, "usage": usage}
+        if include_logprobs:
+            done["logprobs"] = _logprob_entries(state, job.shown_logprobs)
+        yield _sse(done)
         yield "data: [DONE]\n\n"
         _record_job(state, job, job_params)
     except EngineDeadError as error:
@@ -266,6 +281,10 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
         yield _sse(error.body())
     finally:
         job.abort()
+
+
+def _logprob_entries(state: ServerState, tokens: list[tuple[int, float]]) -> list[dict]:
+    return [logprob_entry(state.tokenizer, token, logprob) for token, logprob in tokens]
 
 
 def _sse(payload: dict) -> str:

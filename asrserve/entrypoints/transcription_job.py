@@ -90,6 +90,10 @@ class TranscriptionJob:
         # Decodes (pieces and continuations) whose text the streamed transcript went through:
         # the streamed usage counts their audio, the same whenever the reading stopped.
         self.num_decodes_shown = 0
+        # The streamed text's tokens and log-probabilities, in order, as they are shown (kept
+        # when keep_logprobs is set: include[]=logprobs).
+        self.keep_logprobs = False
+        self.shown_logprobs: list[tuple[int, float]] = []
         self._shown_until_s = 0.0  # where the last of them ends in the audio
         self.first_token_time: float | None = None
         self.on_first_output: Callable[[], None] | None = None  # the engine has started on it
@@ -204,7 +208,7 @@ class TranscriptionJob:
         depth = 0
         while True:
             text = IncrementalText(self.tokenizer)
-            piece_started = False
+            piece_started, num_shown = False, 0
             budget = None if self.max_completion_tokens is None else self.max_completion_tokens - self.num_output_tokens
             self.num_decodes_shown += 1
             self._shown_until_s = max(self._shown_until_s, piece.offset_s + piece.duration_s)
@@ -215,7 +219,11 @@ class TranscriptionJob:
                 if budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget:
                     break  # the limit is reached: what came is all this transcription shows
                 settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
-                delta = text.update(_text_tokens(settled, eot, budget))
+                shown = _text_tokens(settled, eot, budget)
+                if self.keep_logprobs and len(shown) > num_shown:
+                    self.shown_logprobs += _text_logprobs(piece, eot)[num_shown : len(shown)]
+                    num_shown = len(shown)
+                delta = text.update(shown)
                 if delta:
                     if not piece_started and self.text:
                         delta = self._separator + delta
@@ -225,6 +233,8 @@ class TranscriptionJob:
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
             following = None if at_limit else self._continue(piece, samples, depth)
             shown = _text_tokens(piece.token_ids, eot, budget)
+            if self.keep_logprobs:
+                self.shown_logprobs += _text_logprobs(piece, eot)[num_shown : len(shown)]
             self.num_output_tokens += len(shown)
             delta = text.update(shown) + text.finish()
             if delta:
@@ -294,6 +304,11 @@ class TranscriptionJob:
         self.audio.cancel()
         self.engine.abort([request.request_id for request in self.requests])
 
+    def text_logprobs(self) -> list[tuple[int, float]]:
+        """The transcript's text tokens and their log-probabilities, in order (after run())."""
+        eot = self.tokenizer.special.eot
+        return [pair for piece in self.pieces if not piece.is_silence for pair in _text_logprobs(piece, eot)]
+
     @property
     def _separator(self) -> str:
         return separator_for(self.language)
@@ -307,3 +322,7 @@ def _text_tokens(token_ids: list[int], eot: int, budget: int | None) -> list[int
     """The text tokens among `token_ids`, at most `budget` of them."""
     text = [token for token in token_ids if token < eot]
     return text if budget is None else text[: max(budget, 0)]
+
+
+def _text_logprobs(piece: PieceResult, eot: int) -> list[tuple[int, float]]:
+    return [(token, logprob) for token, logprob in zip(piece.token_ids, piece.logprobs) if token < eot]
