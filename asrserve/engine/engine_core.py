@@ -11,7 +11,7 @@ from asrserve.config import EngineConfig, resolve_device, resolve_dtype, resolve
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import DecodeSummary, Request, SamplingParams
-from asrserve.engine.request_checks import check_audio_piece, check_language, is_digital_silence
+from asrserve.engine.request_checks import check_audio_piece, check_language, holds_no_speech
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
 from asrserve.model.loader import load_model
@@ -81,7 +81,7 @@ class EngineCore:
         check_audio_piece(audio)
         language = self.check_language(language, task)
         known_language = language if self.is_multilingual else "en"
-        if is_digital_silence(audio):
+        if holds_no_speech(audio):
             self.finished_without_model[request_id] = _silence_output(request_id, known_language)
             return
         previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None

@@ -15,6 +15,9 @@ TASKS = ("transcribe", "translate")
 # could hold. Whisper's log-mel is normalised to its loudest frame, so it would magnify such
 # audio (or pure zeros) into noise and hallucinate words ("you", "Thank you.") from it.
 DIGITAL_SILENCE_PEAK = 1.0 / 32768
+# Nor does audio shorter than this hold a word (OpenAI's API refuses audio under 0.1 s): a click
+# of a few samples, normalised the same way, read as "you".
+MIN_SPEECH_SAMPLES = SAMPLE_RATE // 10
 
 
 def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str | None, task: str) -> str | None:
@@ -54,5 +57,6 @@ def check_audio_piece(audio: np.ndarray) -> None:
         raise InvalidRequestError("audio contains NaN or infinite samples")
 
 
-def is_digital_silence(audio: np.ndarray) -> bool:
-    return float(np.max(np.abs(audio))) < DIGITAL_SILENCE_PEAK
+def holds_no_speech(audio: np.ndarray) -> bool:
+    """Digital silence, or too short for a word: answered as silence, without the model."""
+    return audio.size < MIN_SPEECH_SAMPLES or float(np.max(np.abs(audio))) < DIGITAL_SILENCE_PEAK
