@@ -97,7 +97,8 @@ def test_an_mp3s_estimated_length_neither_refuses_nor_is_reported():
     VBR file that starts quiet, 22 s came out as ~60. The length is checked, and reported to
     on_progress, as the file is decoded."""
     require_ffmpeg()
-    quiet_then_loud = np.concatenate([np.zeros(2 * SAMPLE_RATE), np.random.default_rng(0).uniform(-0.5, 0.5, 20 * SAMPLE_RATE)])
+    loud = np.random.default_rng(0).uniform(-0.5, 0.5, 20 * SAMPLE_RATE)
+    quiet_then_loud = np.concatenate([np.zeros(2 * SAMPLE_RATE), loud])
     wav = io.BytesIO()
     soundfile.write(wav, quiet_then_loud.astype(np.float32), SAMPLE_RATE, format="WAV")
     mp3 = subprocess.run(

@@ -115,7 +115,8 @@ BAD_FORMS = [
     # Past torch's 64-bit seeds: these took the engine, and the server, down.
     ({"seed": str(2**64), "temperature": "0.5"}, 400, "seed"),
     ({"seed": str(-(2**63) - 1), "temperature": "0.5"}, 400, "seed"),
-    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "inf"}, 400, "chunking_strategy"),
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "inf"}, 400,
+     "chunking_strategy"),
     ({"chunking_strategy": '{"type": "server_vad", "silence_duration_ms": 1e400}'}, 400, "chunking_strategy"),
     ({"stream": "maybe"}, 400, "stream"),
     ({"temperature_fallback": "maybe"}, 400, "temperature_fallback"),

@@ -185,6 +185,22 @@ def test_cli_multilingual_translation_flags(tmp_path):
     assert any(word in result.stdout.lower() for word in ("morning", "tomorrow"))
 
 
+def test_max_tokens_keeps_word_times(asr, speech_files):
+    """Word times align a decode up to its end: a decode cut at max_tokens spread its few words
+    over the whole clip ("And" at 8.2 s of 11). With words each piece decodes to its end and
+    is cut after; the limit counts text tokens, not the timestamp tokens around them."""
+    path = speech_files[6]
+    (full,) = asr.transcribe(path, word_timestamps=True)
+    for limit in (3, 8):
+        (capped,) = asr.transcribe(path, word_timestamps=True, max_tokens=limit)
+        text_tokens = [t for t in capped.token_ids if t < asr.tokenizer.special.eot]
+        assert len(text_tokens) == limit and full.text.startswith(capped.text.rstrip())
+        for word, reference in zip(capped.words, full.words):
+            assert abs(word.start - reference.start) < 0.3, (limit, capped.words, full.words)
+        (plain,) = asr.transcribe(path, timestamps=True, max_tokens=limit)  # no words: cut in the engine
+        assert plain.text == capped.text
+
+
 def test_digital_silence_is_answered_without_the_model(asr, speech_files, monkeypatch):
     # Zeros (and anything below one 16-bit step) would be magnified by the log-mel's
     # normalisation into noise tiny.en reads words in; such pieces never reach the model.

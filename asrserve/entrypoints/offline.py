@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -182,17 +182,18 @@ class ASR:
         if errors not in ("raise", "return"):
             raise ValueError("errors must be 'raise' or 'return'")
         timestamps = timestamps or word_timestamps
-        # Word times come from aligning each decode up to its end: a decode stopped at max_tokens
-        # has no end to align, so with words each piece decodes to its end and is cut after.
-        text_limit = max_tokens if word_timestamps else None
         try:
             params = SamplingParams.transcription(
-                temperature, decode_once=not fallback, seed=seed, max_tokens=None if text_limit else max_tokens,
-                timestamps=timestamps,
+                temperature, decode_once=not fallback, seed=seed, max_tokens=max_tokens, timestamps=timestamps,
                 word_timestamps=word_timestamps, best_of=best_of,
             )
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
+        # Word times come from aligning each decode up to its end: a decode stopped at max_tokens
+        # has no end to align, so with words each piece decodes to its end and is cut after.
+        text_limit = max_tokens if word_timestamps else None
+        if text_limit:
+            params = replace(params, max_tokens=None)
         languages = self._languages(language, len(sources), task)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)

@@ -155,8 +155,8 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 # The lowest temperature sampling divides by. A request may ask for any temperature above 0, but
 # 1e-40 is 0 in float32 (and 1 / 1e-39 is inf): the division gave inf and NaN, and the draw a
 # token past the vocabulary, which took the engine down. At 1e-30 logits / t stays finite, and
-# any two float32 logits that differ at all already differ by ~1e24 after it: only the likeliest
-# token (and exact ties) keeps any weight, as at every temperature below, so no draw changes.
+# a token whose logit is even 1e-28 below the top keeps a weight of exp(-100) or less: the draw
+# is the likeliest token (or one of exact ties), as at any temperature below.
 MIN_SAMPLING_TEMPERATURE = 1e-30
 
 
@@ -255,7 +255,9 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         if sampled_rows:
             rows = self._rows(sampled_rows)
-            temperatures = to_device([sampling_temperature(requests[i]) for i in sampled_rows], torch.float32, self.device)
+            temperatures = to_device(
+                [sampling_temperature(requests[i]) for i in sampled_rows], torch.float32, self.device
+            )
             generators = [self._generator(requests[i]) for i in sampled_rows]
             token_ids[rows] = sample_by_inverse_cdf(logits[rows], temperatures, generators)
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizers
