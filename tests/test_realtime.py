@@ -224,7 +224,9 @@ def test_bad_events_get_errors_and_the_session_goes_on(server, speech_audio, off
             await connection.send({"type": "input_audio_buffer.append", "audio": "%%% not base64", "event_id": "bad1"})
             await connection.send({"type": "response.create", "event_id": "bad2"})
             # over OpenAI's 15 MiB of audio per append: refused by us, not by the WebSocket layer
-            await connection.send({"type": "input_audio_buffer.append", "audio": "A" * MAX_EVENT_BYTES})
+            await connection.send({"type": "input_audio_buffer.append", "event_id": "big",
+                                   "audio": "A" * MAX_EVENT_BYTES})
+            await connection.send({"type": 5, "event_id": "bad5"})
             await connection.send({"type": "session.update", "event_id": "bad3",
                                    "session": {"type": "transcription",
                                                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}})
@@ -238,7 +240,8 @@ def test_bad_events_get_errors_and_the_session_goes_on(server, speech_audio, off
     errors = {e["error"]["event_id"]: e["error"] for e in events if e["type"] == "error"}
     assert errors["bad1"]["code"] == "invalid_audio"
     assert errors["bad2"]["code"] == "unknown_event_type"
-    assert errors[None]["code"] == "event_too_large"
+    assert errors["big"]["code"] == "event_too_large"  # named, although it was too large to read
+    assert errors["bad5"]["param"] == "type"
     assert errors["bad3"]["param"] == "session.audio.input.format.rate"
     assert errors["bad4"]["code"] == "model_not_found"
     check_items(events)

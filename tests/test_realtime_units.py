@@ -412,3 +412,129 @@ def test_a_turn_whose_final_is_done_completes_before_any_other_task_runs():
              "conversation.item.input_audio_transcription.completed", "conversation.item.done"]
     assert asyncio.run(turn(final_done=True)) == (order, order)
     assert asyncio.run(turn(final_done=False)) == (order[:2], order)
+
+
+class _RecordingEngine:
+    """An engine stand-in that hears nothing at once and keeps the audio of every decode."""
+
+    def __init__(self):
+        self.audios: list[np.ndarray] = []
+
+    def add(self, requests):
+        self.audios += [request.audio for request in requests]
+        return [self._decode() for _ in requests]
+
+    async def _decode(self):
+        yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[], new_logprobs=[],
+                              language="en", summary=None, finished=True)
+
+    def abort(self, request_ids):
+        pass
+
+
+def _session(config: SessionConfig, engine=None, options: RealtimeOptions | None = None):
+    events: list[dict] = []
+
+    async def send(event: dict) -> None:
+        events.append(event)
+
+    async def run_vad(function, *args):
+        return function(*args)
+
+    tokenizer = SimpleNamespace(decode=lambda tokens: "", special=SimpleNamespace(eot=1))
+    metrics = SimpleNamespace(realtime_completed_latency=SimpleNamespace(observe=lambda seconds: None))
+    session = RealtimeSession("s", config, options or RealtimeOptions(interim_interval_s=0), engine, tokenizer,
+                              send=send, run_vad=run_vad, metrics=metrics)
+    return session, events
+
+
+def _append(samples_24k: np.ndarray) -> dict:
+    pcm = (np.clip(samples_24k, -1, 1) * 32767).astype("<i2").tobytes()
+    return {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}
+
+
+def test_an_item_holds_exactly_its_own_audio_across_commits_and_clears():
+    """24 kHz input is resampled as a stream, which holds back ~20 ms: a commit takes it into
+    its item, and neither a commit nor a clear lets it into the next item (0.5 s of zeros after
+    speech was read as "you"). conversation.item.done names the item before, as
+    input_audio_buffer.committed does."""
+    loud = np.random.default_rng(0).uniform(-0.5, 0.5, 12_000)
+    zeros = np.zeros(12_000)
+
+    async def scenario():
+        engine = _RecordingEngine()
+        session, events = _session(SessionConfig(turn_detection=None), engine)
+        for first in ("commit", "clear"):
+            await session.handle(_append(loud))
+            await session.handle({"type": f"input_audio_buffer.{first}"})
+            await session.handle(_append(zeros))
+            await session.handle({"type": "input_audio_buffer.commit"})
+        for _ in range(20):  # the completions go out in tasks of their own
+            await asyncio.sleep(0)
+        return engine.audios, events
+
+    audios, events = asyncio.run(scenario())
+    first, after_commit, after_clear = audios
+    assert len(first) == 8_000 and np.abs(first[-200:]).max() > 0.05  # all 0.5 s, its tail included
+    assert len(after_commit) == len(after_clear) == 8_000
+    assert not after_commit.any() and not after_clear.any()
+    usage = [e["usage"]["seconds"] for e in events if e["type"].endswith("transcription.completed")]
+    assert usage == [0.5, 0.5, 0.5]
+    committed = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    done = [e for e in events if e["type"] == "conversation.item.done"]
+    assert [e["previous_item_id"] for e in done] == [e["previous_item_id"] for e in committed]
+    assert done[1]["previous_item_id"] == committed[0]["item_id"]
+
+
+def test_a_session_update_mid_turn_drops_the_final_started_at_a_pause():
+    """A final decode starts at a short pause, before the turn ends; the person goes on, and a
+    session.update changes turn detection: that final is not the turn's, so it is dropped and
+    the commit decodes all the audio (it had been kept, and the rest of the turn lost)."""
+    from asrserve.entrypoints.live_item import Item, Segment
+
+    async def scenario():
+        engine = _RecordingEngine()
+        session, events = _session(SessionConfig(), engine)
+        session.audio.append(np.zeros(16_000, np.float32))
+        early = asyncio.get_running_loop().create_future()
+        session.item = Item("item_1", 0, [Segment(0, decoded_until=0)])
+        session.item.segments[-1].final = early
+        await session.handle({"type": "session.update",
+                              "session": {"type": "transcription", "audio": {"input": {"turn_detection": None}}}})
+        await session.handle(_append(np.full(24_000, 0.3)))
+        await session.handle({"type": "input_audio_buffer.commit"})
+        return early, engine.audios
+
+    early, audios = asyncio.run(scenario())
+    assert early.cancelled() and len(audios) == 1 and len(audios[0]) == 32_000
+
+
+def test_a_commit_under_server_vad_without_speech_commits_what_is_kept():
+    """Server VAD heard no speech, so only the prefix padding of the buffer is kept; a manual
+    commit commits that (it was refused as "less than 100 ms" after a second of audio)."""
+    async def scenario():
+        engine = _RecordingEngine()
+        session, events = _session(SessionConfig(), engine)
+        await session.handle(_append(np.zeros(24_000)))
+        await session.handle({"type": "input_audio_buffer.commit"})
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return engine.audios, events
+
+    audios, events = asyncio.run(scenario())
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds and "input_audio_buffer.committed" in kinds
+    assert kinds[-2] == "conversation.item.input_audio_transcription.completed"
+    # the prefix padding (300 ms), and what the resampler held back (~20 ms)
+    assert len(audios) == 1 and 300 * 16 <= len(audios[0]) <= 330 * 16
+
+
+def test_the_buffer_limit_holds_for_the_append_that_opens_an_item():
+    async def scenario():
+        session, _ = _session(SessionConfig(turn_detection=None), _RecordingEngine(),
+                              RealtimeOptions(interim_interval_s=0, max_buffer_s=1))
+        with pytest.raises(RealtimeError) as error:
+            await session.handle(_append(np.zeros(48_000)))
+        assert error.value.code == "input_audio_buffer_full" and session.audio.end == 0
+
+    asyncio.run(scenario())

@@ -69,6 +69,7 @@ class Item:
     sent: str = ""  # every delta so far, joined
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     language: str | None = None
+    previous_item_id: str | None = None  # the item committed before it, once it is committed
 
 
 class SessionAudio:

@@ -31,9 +31,10 @@ class RealtimeError(Exception):
     """Sent as an `error` event; the session goes on."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", event_id: str | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.type = message, param, code, type
+        self.event_id = event_id  # the client event it answers, where found before the event was read
 
     def event(self, event_id: str | None) -> dict[str, Any]:
         error = {"type": self.type, "code": self.code, "message": self.message, "param": self.param,
@@ -232,7 +233,22 @@ class InputAudioDecoder:
 
         self.format = config.format
         rate = config.input_rate
-        self._resampler = None if rate == SAMPLE_RATE else soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32")
+        self._new_resampler = lambda: None if rate == SAMPLE_RATE else soxr.ResampleStream(
+            rate, SAMPLE_RATE, 1, dtype="float32")
+        self._resampler = self._new_resampler()
+
+    def flush(self) -> np.ndarray:
+        """The samples the resampler still holds back (~20 ms), at the end of what was appended:
+        a commit ends the buffer there, and the next item starts afresh."""
+        if self._resampler is None:
+            return np.zeros(0, np.float32)
+        tail = self._resampler.resample_chunk(np.zeros(0, np.float32), last=True)
+        self._resampler = self._new_resampler()
+        return tail
+
+    def reset(self) -> None:
+        """Drops what the resampler holds back (input_audio_buffer.clear)."""
+        self._resampler = self._new_resampler()
 
     def decode(self, audio: Any) -> np.ndarray:
         if not isinstance(audio, str):

@@ -83,12 +83,15 @@ class RealtimeSession:
         vad_changed = config.turn_detection != self.config.turn_detection
         self.config = config
         if vad_changed:
+            if self.item is not None:  # the pause it started at is not a pause to the new rules
+                self._drop_early_final(self.item.segments[-1])
             self._start_vad()
         await self.send(server_event("session.updated", session=config.as_session(self.session_id)))
 
     async def _append(self, event: dict[str, Any]) -> None:
         samples = self.decoder.decode(event.get("audio"))
-        if self.item is not None and self.audio.end + len(samples) - self.item.start > self.options.max_buffer_s * SAMPLE_RATE:
+        start = self.item.start if self.item is not None else self.audio.end  # (an append may open one)
+        if self.audio.end + len(samples) - start > self.options.max_buffer_s * SAMPLE_RATE:
             raise RealtimeError(
                 f"the input audio buffer is full ({self.options.max_buffer_s:g} s uncommitted): commit or clear it",
                 param="audio", code="input_audio_buffer_full",
@@ -109,6 +112,11 @@ class RealtimeSession:
         self._ensure_interim_loop()
 
     async def _commit(self, event: dict[str, Any]) -> None:
+        self.audio.append(self.decoder.flush())
+        if self.item is None and self.turns is not None:
+            # Server VAD heard no speech since the last turn, and kept only the prefix padding
+            # of what came: that is what is committed.
+            self.item = self._new_item(self.audio.origin)
         item = self.item
         if item is None or self.audio.end - item.start < MIN_COMMIT_SAMPLES:
             raise RealtimeError(
@@ -126,6 +134,7 @@ class RealtimeSession:
                         task.cancel()
             self.item = None
         self._cancel_interim()
+        self.decoder.reset()
         self.audio.drop_before(self.audio.end)
         self._start_vad()
         await self.send(server_event("input_audio_buffer.cleared"))
@@ -164,15 +173,19 @@ class RealtimeSession:
             self._cancel_interim()
             self._start_final(self.item.segments[-1], self.audio.end)  # early: ready when the turn ends
         elif turn.kind == "resume":
-            segment = self.item.segments[-1]
-            if segment.final is not None:
-                segment.final.cancel()
-                segment.final = None
+            self._drop_early_final(self.item.segments[-1])
         elif turn.kind == "stop":
             item = self.item
             await self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=sample_ms(sample),
                                          item_id=item.item_id))
             await self._finish_item(item, sample)
+
+    @staticmethod
+    def _drop_early_final(segment: Segment) -> None:
+        """The final decode started at a pause is not the turn's: the person went on."""
+        if segment.final is not None:
+            segment.final.cancel()
+            segment.final = None
 
     def _new_item(self, start: int) -> Item:
         return Item(new_id("item"), start, [Segment(start, decoded_until=start)], language=self.config.language)
@@ -192,9 +205,10 @@ class RealtimeSession:
         ready = self._ready(item)
         if not ready:
             self._emit_final(item, segment)
+        item.previous_item_id = self.previous_item_id
         await self.send(server_event("input_audio_buffer.committed", item_id=item.item_id,
-                                     previous_item_id=self.previous_item_id))
-        await self.send(server_event("conversation.item.added", previous_item_id=self.previous_item_id,
+                                     previous_item_id=item.previous_item_id))
+        await self.send(server_event("conversation.item.added", previous_item_id=item.previous_item_id,
                                      item=user_item(item.item_id, None, "in_progress")))
         self.previous_item_id = item.item_id
         self.audio.drop_before(end)
@@ -281,7 +295,7 @@ class RealtimeSession:
         if self.config.include_logprobs:
             completed["logprobs"] = item.logprobs
         await self.send(server_event("conversation.item.input_audio_transcription.completed", **completed))
-        await self.send(server_event("conversation.item.done", previous_item_id=None,
+        await self.send(server_event("conversation.item.done", previous_item_id=item.previous_item_id,
                                      item=user_item(item.item_id, item.sent, "completed")))
 
     async def extend(self, item: Item, segment: Segment, tokens: list[int], logprobs: list[float],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -165,13 +166,12 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 return
             event_id = None
             try:
-                event = _parse(message)
-                event_id = event.get("event_id")
+                event, event_id = _parse(message)
                 if event.get("type") == "session.update":
                     _check_session(event, state)
                 await session.handle(event)
             except RealtimeError as error:
-                await send(error.event(event_id if isinstance(event_id, str) else None))
+                await send(error.event(event_id or error.event_id))
     except WebSocketDisconnect:
         return
     finally:
@@ -179,20 +179,36 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
         session.close()
 
 
-def _parse(message: dict[str, Any]) -> dict[str, Any]:
+# An event too large to parse still names its event_id, usually before its audio.
+_EVENT_ID = re.compile(r'"event_id"\s*:\s*"((?:[^"\\]|\\.){0,512})"')
+
+
+def _event_id_in(text: str) -> str | None:
+    found = _EVENT_ID.search(text)
+    try:
+        return json.loads(f'"{found.group(1)}"') if found else None
+    except json.JSONDecodeError:
+        return None
+
+
+def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The event and its event_id; a RealtimeError carries the event_id where one was found."""
     text = message.get("text")
     if text is None:
         raise RealtimeError("send events as JSON text frames, not binary", code="invalid_event")
     if len(text) > MAX_EVENT_BYTES:
-        raise RealtimeError("an event may carry at most 15 MiB of audio", code="event_too_large")
+        raise RealtimeError("an event may carry at most 15 MiB of audio", code="event_too_large",
+                            event_id=_event_id_in(text))
     try:
         event = json.loads(text)
     except json.JSONDecodeError as error:
         raise RealtimeError(f"the event is not valid JSON: {error.msg}", code="invalid_json") from None
+    event_id = event.get("event_id") if isinstance(event, dict) else None
+    event_id = event_id if isinstance(event_id, str) else None
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         raise RealtimeError("an event must be a JSON object with a string `type`", param="type",
-                            code="invalid_event")
-    return event
+                            code="invalid_event", event_id=event_id)
+    return event, event_id
 
 
 def _check_session(event: dict[str, Any], state: ServerState) -> None:
