@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from asrserve import __version__
 
@@ -194,7 +192,7 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
         value = os.environ.get(name)
         if value is None or value == "":
             continue
-        if isinstance(action, argparse.BooleanOptionalAction):
+        if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
             if value.lower() not in TRUE_WORDS + FALSE_WORDS:
                 parser.error(f"{name}={value!r}: use true or false")
             action.default = value.lower() in TRUE_WORDS
@@ -210,85 +208,6 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
                 parser.error(f"{name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
         if not action.option_strings:
             action.nargs = "?"  # the positional may now come from the environment
-
-
-def _transcribe(args: argparse.Namespace) -> int:
-    from asrserve.entrypoints.offline import ASR
-    from asrserve.entrypoints.protocol import TIMESTAMPED_FORMATS
-    from asrserve.errors import InvalidRequestError, ModelLoadError
-
-    try:
-        asr = ASR(
-            args.model, dtype=args.dtype, device=args.device, load_format=args.load_format, compile=args.compile,
-            encoder_quantization=args.encoder_quantization, enforce_eager=args.enforce_eager,
-            max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch,
-            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
-    except (ModelLoadError, ValueError) as error:
-        print(f"asrserve: error: {error}", file=sys.stderr)
-        return 2
-
-    show_progress = args.progress if args.progress is not None else (len(args.files) > 1 and sys.stderr.isatty())
-    failures = 0
-    ready: dict[int, object] = {}
-    next_to_print = 0
-    try:
-        results = asr.transcribe_iter(
-            args.files, language=args.language, task=args.task, temperature=args.temperature,
-            seed=args.seed, max_tokens=args.max_tokens, errors="return", progress=show_progress,
-            timestamps=args.response_format in TIMESTAMPED_FORMATS, word_timestamps=args.word_timestamps,
-            prompt=args.prompt, fallback=args.fallback, best_of=args.best_of,
-            chunking_strategy=parse_chunking_strategy(args.chunking_strategy),
-            seek_continuation=args.seek_continuation,
-        )
-        for index, transcription in results:
-            ready[index] = transcription
-            while next_to_print in ready:  # print in the order of the files
-                result = ready.pop(next_to_print)
-                failures += _print_result(args.files[next_to_print], result, args)
-                next_to_print += 1
-    except (InvalidRequestError, ValueError) as error:
-        print(f"asrserve: error: {error}", file=sys.stderr)
-        return 2
-    return 1 if failures else 0
-
-
-EXTENSIONS = {"text": "txt", "json": "json", "verbose_json": "json", "srt": "srt", "vtt": "vtt"}
-
-
-def _print_result(file: str, result, args: argparse.Namespace) -> int:
-    from asrserve.entrypoints.formats import to_srt, to_verbose_json, to_vtt
-
-    response_format = args.response_format
-    if result.error is not None:
-        print(f"asrserve: {file}: {result.error}", file=sys.stderr)
-        if response_format == "json" and args.output_dir is None:  # keeps one line per file
-            print(json.dumps({"file": file, "error": result.error}, ensure_ascii=False), flush=True)
-        return 1
-    text = " ".join(result.text.split())  # one transcript, one line
-    if response_format == "json":
-        record = {"file": file, "text": text, "language": result.language, "duration": round(result.duration, 3)}
-        output = json.dumps(record, ensure_ascii=False) + "\n"
-    elif response_format == "verbose_json":
-        body = to_verbose_json(
-            args.task, result.language, result.duration, result.text, result.segments, args.word_timestamps,
-            {"type": "duration", "seconds": round(result.duration, 3)},
-        )
-        output = json.dumps({"file": file, **body}, ensure_ascii=False) + "\n"
-    elif response_format == "srt":
-        output = to_srt(result.segments)
-    elif response_format == "vtt":
-        output = to_vtt(result.segments)
-    else:
-        output = text + "\n"
-    if args.output_dir is None:
-        print(output, end="", flush=True)
-    else:
-        directory = Path(args.output_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"{Path(file).stem}.{EXTENSIONS[response_format]}").write_text(output, encoding="utf-8")
-    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -336,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "transcribe":
-        return _transcribe(args)
+        from asrserve.transcribe_command import run_transcribe
+
+        return run_transcribe(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":

@@ -38,7 +38,10 @@ def resolve_device(device: str) -> "torch.device":
 
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available")
     return resolved
@@ -115,6 +118,8 @@ class CacheConfig:
             raise ValueError("block_size must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):
+            raise ValueError(f"kv_cache_memory_gb must be a positive size, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -14,7 +14,7 @@ import soundfile
 from asrserve import ASR, AudioError, InvalidRequestError
 from asrserve.audio.chunking import split_audio
 from asrserve.audio.decode import load_audio
-from tests.conftest import synthesize
+from tests.conftest import require_ffmpeg, synthesize
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +164,46 @@ def test_cli_subtitles_and_verbose_json(speech_files, tmp_path):
     for record in records:
         assert record["segments"] and record["words"] and record["task"] == "transcribe"
         assert all(0 <= w["start"] < w["end"] <= record["duration"] for w in record["words"])
+
+
+def test_cli_output_dir_keeps_every_file(speech_files, tmp_path):
+    """-o DIR: files that share a stem (talk.wav, talk.mp3) each keep their result, under their
+    full names; failures leave a json record too; an -o that is a file, a device that is not
+    one, or a KV cache past the memory there is, is a one-line error (2) before any decoding."""
+    require_ffmpeg()
+    wav = tmp_path / "clip.wav"
+    wav.write_bytes(speech_files[1].read_bytes())
+    mp3 = tmp_path / "clip.mp3"
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(wav), str(mp3)], check=True)
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"\x00" * 100)
+    out = tmp_path / "out"
+    result = _cli("-f", "json", "-o", str(out), str(wav), str(mp3), str(bad))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["bad.json", "clip.mp3.json", "clip.wav.json"]
+    assert "fox" in json.loads((out / "clip.mp3.json").read_text())["text"].lower()
+    assert "error" in json.loads((out / "bad.json").read_text())
+    for args in (["-o", str(wav)], ["--device", "tpu"], ["--kv-cache-memory-gb", "-1"]):
+        result = _cli(*args, str(wav))
+        assert result.returncode == 2 and result.stderr.startswith("asrserve: error:"), (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_transcribe_iter_takes_one_input_or_a_generator(asr, speech_files):
+    (index, alone), = list(asr.transcribe_iter(speech_files[1]))
+    assert index == 0 and "fox" in alone.text.lower()
+    results = dict(asr.transcribe_iter(path for path in (speech_files[1], speech_files[5])))
+    assert results[0].text == alone.text and "snake" in results[1].text.lower()
+
+
+def test_channels_first_arrays_and_best_of_zero(asr, speech_files):
+    """[channels, samples] (torchaudio's and librosa's layout) is read as stereo, not as two
+    samples of thousands of channels (an empty transcript); best_of=0 is refused, not 5."""
+    mono = load_audio(speech_files[1])
+    (stereo,) = asr.transcribe(np.stack([mono, mono]))
+    assert stereo.text == asr.transcribe(mono)[0].text and stereo.duration == pytest.approx(len(mono) / 16_000)
+    with pytest.raises(InvalidRequestError, match="best_of"):
+        asr.transcribe(mono, temperature=0.5, best_of=0)
 
 
 def test_cli_rejects_translation_on_english_only(speech_files):

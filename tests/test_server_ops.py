@@ -340,6 +340,9 @@ def test_every_serve_option_reads_its_environment_variable(monkeypatch):
     values = (args.port, args.api_key, args.model, args.max_num_seqs, args.dtype, args.access_log)
     assert values == (9123, ["k1", "k2"], "base", 7, "bfloat16", False)
     assert build_parser().parse_args(["serve", "--access-log"]).access_log is True
+    for value, expected in (("false", False), ("0", False), ("true", True)):  # plain on/off flags too
+        monkeypatch.setenv("ASRSERVE_ENFORCE_EAGER", value)
+        assert build_parser().parse_args(["serve"]).enforce_eager is expected
     assert build_parser().parse_args(["serve", "tiny.en", "--port", "1"]).port == 1  # flags win
     assert build_parser().parse_args(["serve", "tiny.en"]).model == "tiny.en"
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]

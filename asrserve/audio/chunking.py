@@ -55,14 +55,14 @@ class ChunkingStrategy:
                 return cls("server_vad")
             if value in CHUNKING_TYPES:
                 return cls(value)
-            raise ValueError(f"must be 'auto' or an object with type 'server_vad', got {value!r}")
+            raise ValueError(f"must be 'auto', 'energy' or an object with type 'server_vad', got {value!r}")
         if not isinstance(value, dict):
-            raise ValueError("must be 'auto' or an object with type 'server_vad'")
+            raise ValueError("must be 'auto', 'energy' or an object with type 'server_vad'")
         unknown = set(value) - {"type", "threshold", "prefix_padding_ms", "silence_duration_ms"}
         if unknown:
             raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
         if value.get("type") not in CHUNKING_TYPES:
-            raise ValueError(f"type must be 'server_vad', got {value.get('type')!r}")
+            raise ValueError(f"type must be 'server_vad' (or 'energy'), got {value.get('type')!r}")
         threshold = _number(value, "threshold", 0.0, 1.0, float)
         padding = _number(value, "prefix_padding_ms", 0, 10_000, int)
         silence = _number(value, "silence_duration_ms", 0, 10_000, int)

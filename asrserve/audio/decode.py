@@ -36,11 +36,12 @@ def load_audio(
 ) -> np.ndarray:
     """Decodes a file, its bytes, or an array into 16 kHz mono float32.
 
-    An array is taken as samples at `sample_rate` (16 kHz when not given), shaped [samples]
-    or [samples, channels]. With max_duration_s, longer audio raises AudioTooLongError as soon
-    as that is known (before decoding where the container says how long it is), so a small
-    compressed upload cannot expand into gigabytes of samples. on_progress (files only) sees
-    the samples as they are decoded: an exception it raises stops the decoding.
+    An array is taken as samples at `sample_rate` (16 kHz when not given), shaped [samples],
+    [samples, channels] or [channels, samples] (the longer side is time). With max_duration_s,
+    longer audio raises AudioTooLongError as soon as that is known (before decoding where the
+    container says how long it is), so a small compressed upload cannot expand into gigabytes
+    of samples. on_progress (files only) sees the samples as they are decoded: an exception it
+    raises stops the decoding.
     """
     if isinstance(source, np.ndarray):
         samples, rate = source, sample_rate or SAMPLE_RATE
@@ -56,6 +57,8 @@ def load_audio(
 def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     samples = np.asarray(samples)
     if samples.ndim == 2:
+        if samples.shape[0] < samples.shape[1]:  # [channels, samples], as torchaudio and librosa give
+            samples = samples.T
         samples = samples.mean(axis=1)  # mix every channel down to mono
     if samples.ndim != 1:
         raise AudioError(f"audio must be [samples] or [samples, channels], got shape {samples.shape}")
@@ -166,8 +169,16 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         if len(source) == 0:
             raise AudioError("audio is empty: the file has no bytes")
         source = io.BytesIO(source)
-    elif isinstance(source, (str, Path)) and not Path(source).is_file():
-        raise AudioError(f"audio file not found: {source}")
+    elif isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.is_dir():
+            raise AudioError(f"{source} is a folder, not an audio file")
+        if not path.is_file():
+            raise AudioError(f"audio file not found: {source}")
+        if path.stat().st_size == 0:
+            raise AudioError(f"audio is empty: {source} has no bytes")
+    elif hasattr(source, "mode") and "b" not in source.mode:
+        raise AudioError("the file object was opened in text mode: open audio with mode 'rb'")
     start = source.tell() if hasattr(source, "tell") else None
     try:
         return _decode_soundfile(source, max_duration_s, on_progress)

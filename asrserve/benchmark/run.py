@@ -29,7 +29,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.sweep:
             require_matplotlib()  # fail now, not after the run
         model = args.model or _first_model(args.url, args.api_key)
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, OSError) as error:  # OSError: a manifest that is not there
         print(f"asrserve bench: error: {error}", file=sys.stderr)
         return 2
     total_audio = sum(f.duration_s for f in files)

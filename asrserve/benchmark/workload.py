@@ -9,7 +9,7 @@ import mimetypes
 from dataclasses import dataclass
 from pathlib import Path
 
-from asrserve.audio.decode import load_audio
+from asrserve.audio.decode import AudioError, load_audio
 from asrserve.config import SAMPLE_RATE
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".mp4", ".webm", ".aac", ".mpga", ".mpeg"}
@@ -48,7 +48,10 @@ def load_workload(audio_dir: Path, manifest: Path | None = None) -> list[AudioFi
     files = []
     for path in paths:
         data = path.read_bytes()
-        duration = len(load_audio(data)) / SAMPLE_RATE  # decoded as the server will, for RTFx
+        try:
+            duration = len(load_audio(data)) / SAMPLE_RATE  # decoded as the server will, for RTFx
+        except AudioError as error:
+            raise ValueError(f"{path}: {error}") from None
         mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         files.append(AudioFile(path.name, data, mime, duration, references.get(path.name)))
     return files

@@ -70,10 +70,10 @@ class SamplingParams:
         decode_once (streaming, where sent text cannot be taken back): one sample, neither
         retries nor silence judgement."""
         if decode_once:
-            return cls(temperature=temperature, best_of=best_of or 1, **kwargs)
+            return cls(temperature=temperature, best_of=1 if best_of is None else best_of, **kwargs)
         fallback = FALLBACK_TEMPERATURES if temperature == 0 else ()
         return cls(temperature=temperature, fallback_temperatures=fallback, no_speech_threshold=NO_SPEECH_THRESHOLD,
-                   best_of=best_of or DEFAULT_BEST_OF, **kwargs)
+                   best_of=DEFAULT_BEST_OF if best_of is None else best_of, **kwargs)
 
 
 # openai/whisper's transcribe(): greedy, then these while the checks fail.

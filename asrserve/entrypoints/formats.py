@@ -44,7 +44,7 @@ def to_vtt(segments: list[Segment]) -> str:
     return "WEBVTT\n\n" + cues
 
 
-def _reported_language(task: str, language: str | None) -> str:
+def reported_language(task: str, language: str | None) -> str:
     """OpenAI's types require a language. A translation's is its output's, English. A
     transcription of which no audio reached the model (digital silence, no speech found) on a
     multilingual model has none detected: English, as Whisper reads silence."""
@@ -64,7 +64,7 @@ def to_verbose_json(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "task": task,
-        "language": _reported_language(task, language),
+        "language": reported_language(task, language),
         "duration": round(duration_s, 3),
         "text": text,
         "segments": [

@@ -158,7 +158,7 @@ class ASR:
 
     def transcribe_iter(
         self,
-        sources: list[AudioSource],
+        sources: AudioSource | Iterable[AudioSource],
         *,
         language: str | Sequence[str | None] | None = None,
         task: str = "transcribe",
@@ -177,10 +177,15 @@ class ASR:
         seek_continuation: bool = True,
     ) -> Iterator[tuple[int, Transcription]]:
         """Yields (input index, transcription) as each input completes. Inputs are decoded
-        lazily, keeping at most max_in_flight pieces queued, so a long list of files never
-        sits in memory at once."""
+        lazily, keeping at most max_in_flight pieces queued, so a long list of files (or a
+        generator of them) never sits in memory at once."""
         if errors not in ("raise", "return"):
             raise ValueError("errors must be 'raise' or 'return'")
+        if _is_single(sources):
+            sources = [sources]
+        elif not (language is None or isinstance(language, str)) and not hasattr(sources, "__len__"):
+            sources = list(sources)  # one language per input: counted against the inputs
+        count = len(sources) if hasattr(sources, "__len__") else None
         timestamps = timestamps or word_timestamps
         try:
             params = SamplingParams.transcription(
@@ -194,7 +199,7 @@ class ASR:
         text_limit = max_tokens if word_timestamps else None
         if text_limit:
             params = replace(params, max_tokens=None)
-        languages = self._languages(language, len(sources), task)
+        language_of = self._languages(language, count, task)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)
         except ValueError as error:
@@ -204,7 +209,7 @@ class ASR:
         pending = iter(enumerate(sources))
         requests: dict[str, _PieceRequest] = {}  # in the engine, by request id
         in_flight = 0
-        bar = _progress_bar(len(sources)) if progress else None
+        bar = _progress_bar(count) if progress else None
 
         def add(job: _Job, piece: _PieceRequest, piece_language: str | None, piece_prompt: str | None) -> None:
             request_id = f"offline-{next(self._next_id)}"
@@ -213,7 +218,7 @@ class ASR:
             job.remaining += 1
 
         def submit(index: int, source: AudioSource) -> _Job:
-            job = _Job(index, str(source) if isinstance(source, (str, Path)) else None, language=languages[index])
+            job = _Job(index, str(source) if isinstance(source, (str, Path)) else None, language=language_of(index))
             try:
                 samples = load_audio(source)
             except AudioError as error:
@@ -281,14 +286,16 @@ class ASR:
             if bar is not None:
                 bar.close()
 
-    def _languages(self, language: str | Sequence[str | None] | None, num_sources: int, task: str) -> list:
-        """One checked language code (or None) per input."""
+    def _languages(self, language: str | Sequence[str | None] | None, num_sources: int | None, task: str):
+        """The checked language code (or None) of input i, as a function of i."""
         if language is None or isinstance(language, str):
-            return [self.engine.check_language(language, task)] * num_sources
+            code = self.engine.check_language(language, task)
+            return lambda index: code
         languages = list(language)
         if len(languages) != num_sources:
             raise InvalidRequestError(f"language: {len(languages)} codes for {num_sources} inputs")
-        return [self.engine.check_language(code, task) for code in languages]
+        checked = [self.engine.check_language(code, task) for code in languages]
+        return checked.__getitem__
 
     def _finish(self, job: _Job, params: SamplingParams, text_limit: int | None) -> Transcription:
         if job.error is not None:

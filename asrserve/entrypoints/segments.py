@@ -3,7 +3,8 @@
 A piece's tokens read <|t0|> text <|t1|><|t1'|> text <|t2|> ...: each pair of timestamps
 brackets one segment (times from the piece's start; the piece's offset makes them absolute).
 Text left open at the end (the decode stopped before a closing timestamp) ends with the
-piece. Word times come from the engine's alignment (DecodeSummary.token_times)."""
+piece, or with its last word where words are timed. Word times come from the engine's
+alignment (DecodeSummary.token_times)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Segment:
     no_speech_prob: float
     words: list[Word] = field(default_factory=list)
     text_token_start: int = 0  # index of its first text token among the piece's text tokens
+    left_open: bool = False  # no closing timestamp: it ends with the piece, or with its last word
 
 
 def build_segments(
@@ -91,7 +93,8 @@ def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: i
         if not text.strip():
             text_token_start += len(text_tokens)
             continue
-        start, end = _ordered(start, end_of_piece if end is None else end, end_of_piece)
+        left_open = end is None
+        start, end = _ordered(start, end_of_piece if left_open else end, end_of_piece)
         segments.append(
             Segment(
                 id=first_id + len(segments),
@@ -105,6 +108,7 @@ def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: i
                 compression_ratio=summary.compression_ratio if summary else 0.0,
                 no_speech_prob=(summary.no_speech_prob or 0.0) if summary else 0.0,
                 text_token_start=text_token_start,
+                left_open=left_open,
             )
         )
         text_token_start += len(text_tokens)
@@ -136,6 +140,9 @@ def _add_words(tokenizer: WhisperTokenizer, piece: PieceResult, segments: list[S
                 segment.words.append(Word(text.strip(), piece.offset_s + start, piece.offset_s + end))
                 durations.append(end - start)
     _tidy_words(segments, durations)
+    for segment in segments:
+        if segment.left_open and segment.words:  # (cut by max_completion_tokens, or by the token limit)
+            segment.end = max(segment.words[-1].end, segment.start + MIN_DURATION_S)
 
 
 def _tidy_words(segments: list[Segment], durations: list[float]) -> None:

@@ -142,9 +142,14 @@ class ModelRunner:
         # NaN there would leak through the masked softmax. With decode graphs, one block more
         # than the block manager hands out: where their padding rows write.
         scratch_blocks = 1 if self.uses_decode_graphs else 0
-        self.kv_cache = torch.zeros(
-            self.kv_cache_shape(self.num_kv_blocks + scratch_blocks), dtype=dtype, device=device
-        )
+        try:
+            self.kv_cache = torch.zeros(
+                self.kv_cache_shape(self.num_kv_blocks + scratch_blocks), dtype=dtype, device=device
+            )
+        except (RuntimeError, MemoryError) as error:  # a pool sized past the memory there is
+            size_gb = (self.num_kv_blocks + scratch_blocks) * self.kv_block_bytes / (1 << 30)
+            raise ValueError(f"the KV cache of {self.num_kv_blocks} blocks ({size_gb:.1f} GiB) could not be "
+                             f"allocated on {device}: {str(error).splitlines()[0]}") from None
         self.decode_graphs: DecodeGraphs | None = None
         if self.uses_decode_graphs:
             self.decode_graphs = DecodeGraphs(
