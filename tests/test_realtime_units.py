@@ -81,6 +81,12 @@ def test_turn_detector_pause_resume_and_hysteresis():
         ("pause", 41), ("stop", 57),
     ]
     assert not detector.speaking
+    # Soft sound after a pause (between threshold - 0.15 and threshold): not speech, so the turn
+    # still stops 16 windows after the silence began, but the final started at the pause would
+    # miss it: "resume" drops that final, and the commit decodes the whole turn.
+    detector = TurnDetector(0.5, silence_duration_ms=500, pause_ms=200)
+    events = detector.feed(np.array([0.9, 0.9, *[0.05] * 7, *[0.4] * 5, *[0.05] * 10]), 0)
+    assert [(e.kind, e.sample // WINDOW) for e in events] == [("start", 0), ("pause", 2), ("resume", 9), ("stop", 18)]
 
 
 def test_the_final_decode_starts_after_the_servers_pause_setting(monkeypatch):

@@ -50,7 +50,12 @@ class TurnEvent:
 class TurnDetector:
     """Feeds on per-window probabilities; says where turns start and stop. "pause" comes once a
     silence has lasted `pause_ms` (shorter than silence_duration_ms): live transcription
-    starts its final decode then, so that it is ready soon after the turn stops."""
+    starts its final decode then, so that it is ready soon after the turn stops.
+
+    A window between threshold - 0.15 and threshold is not speech, and does not end a silence
+    (Silero's rule: the turn still stops silence_duration_ms after the silence began), but it is
+    sound: after a pause it says "resume", since a final decode started at the pause would miss
+    it (soft speech after a short pause), and the next pause needs pause_ms of quiet again."""
 
     def __init__(self, threshold: float, silence_duration_ms: float, pause_ms: float):
         self.threshold = threshold
@@ -59,6 +64,7 @@ class TurnDetector:
         self.pause_windows = max(1, min(self.silence_windows, round(SAMPLE_RATE * pause_ms / 1000 / WINDOW)))
         self.speaking = False
         self._silence_start: int | None = None  # window where the current silence began
+        self._quiet_start: int | None = None  # window where the current run of quiet windows began
         self._paused = False
 
     def feed(self, probs: np.ndarray, first_window: int) -> list[TurnEvent]:
@@ -71,17 +77,23 @@ class TurnDetector:
                     events.append(TurnEvent("start", window * WINDOW))
                 elif self._paused:
                     events.append(TurnEvent("resume", window * WINDOW))
-                self._silence_start, self._paused = None, False
+                self._silence_start, self._quiet_start, self._paused = None, None, False
                 continue
-            if not self.speaking or prob >= self.neg_threshold:
+            if not self.speaking:
+                continue
+            if prob >= self.neg_threshold:
+                if self._paused:
+                    events.append(TurnEvent("resume", window * WINDOW))
+                self._quiet_start, self._paused = None, False
                 continue
             if self._silence_start is None:
                 self._silence_start = window
-            silent = window + 1 - self._silence_start
-            if silent >= self.pause_windows and not self._paused:
+            if self._quiet_start is None:
+                self._quiet_start = window
+            if window + 1 - self._quiet_start >= self.pause_windows and not self._paused:
                 self._paused = True
-                events.append(TurnEvent("pause", self._silence_start * WINDOW))
-            if silent >= self.silence_windows:
+                events.append(TurnEvent("pause", self._silence_start * WINDOW))  # where the silence began
+            if window + 1 - self._silence_start >= self.silence_windows:
                 events.append(TurnEvent("stop", (window + 1) * WINDOW))
-                self.speaking, self._silence_start, self._paused = False, None, False
+                self.speaking, self._silence_start, self._quiet_start, self._paused = False, None, None, False
         return events
