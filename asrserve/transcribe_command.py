@@ -94,6 +94,8 @@ def _print_result(file: str, result, args: argparse.Namespace, path: Path | None
         print(f"asrserve: {file}: {result.error}", file=sys.stderr)
         if response_format in ("json", "verbose_json"):  # a record for every file
             _write(json.dumps({"file": file, "error": result.error}, ensure_ascii=False) + "\n", path)
+        elif response_format == "text" and path is None:  # line N is still file N's
+            _write("\n", None)
         return 1
     text = " ".join(result.text.split())  # one transcript, one line
     if response_format == "json":

@@ -144,6 +144,9 @@ def test_cli_bad_file_fails_alone(speech_files, tmp_path):
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert "error" in records[0] and "brown fox" in records[1]["text"].lower()
     assert "bad.mp3" in result.stderr and "Traceback" not in result.stderr
+    result = _cli(str(bad), str(speech_files[1]))  # text: an empty line keeps line N file N's
+    assert result.returncode == 1 and result.stdout.split("\n")[0] == ""
+    assert "brown fox" in result.stdout.split("\n")[1].lower()
 
 
 def test_cli_subtitles_and_verbose_json(speech_files, tmp_path):
