@@ -12,6 +12,14 @@ EXTENSIONS = {"text": "txt", "json": "json", "verbose_json": "json", "srt": "srt
 
 
 def run_transcribe(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # while the model loads, or files are transcribed
+        print("asrserve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     from asrserve.cli import parse_chunking_strategy
     from asrserve.entrypoints.offline import ASR
     from asrserve.entrypoints.protocol import TIMESTAMPED_FORMATS
@@ -55,9 +63,6 @@ def run_transcribe(args: argparse.Namespace) -> int:
     except (InvalidRequestError, ValueError) as error:
         print(f"asrserve: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("asrserve: interrupted", file=sys.stderr)
-        return 130
     return 1 if failures else 0
 
 

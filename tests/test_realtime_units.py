@@ -544,3 +544,28 @@ def test_the_buffer_limit_holds_for_the_append_that_opens_an_item():
         assert error.value.code == "input_audio_buffer_full" and session.audio.end == 0
 
     asyncio.run(scenario())
+
+
+def test_a_refused_commit_under_server_vad_leaves_no_item_and_commits_keep_vads_timeline():
+    """A commit refused as too short (a fresh session, a double commit) must not leave an item
+    open: between turns server VAD keeps only the prefix padding, and with an item open it kept
+    everything until the buffer filled. A commit's resampler tail, which VAD never heard, must
+    not shift VAD's timeline against the audio (21 ms a commit, adding up)."""
+    async def scenario():
+        session, events = _session(SessionConfig(), _RecordingEngine(),
+                                   RealtimeOptions(interim_interval_s=0, max_buffer_s=3))
+        with pytest.raises(RealtimeError):
+            await session.handle({"type": "input_audio_buffer.commit"})
+        assert session.item is None
+        for _ in range(10):  # ten seconds of silence under a three-second buffer
+            await session.handle(_append(np.zeros(24_000)))
+        assert session.audio.end - session.audio.origin <= 330 * 16
+        for _ in range(5):
+            await session.handle(_append(np.zeros(12_000)))
+            await session.handle({"type": "input_audio_buffer.commit"})
+            heard = session._vad_origin + session.vad.num_windows * WINDOW
+            assert abs(session.audio.end - heard) < WINDOW
+        return events
+
+    events = asyncio.run(scenario())
+    assert sum(e["type"] == "input_audio_buffer.committed" for e in events) == 5

@@ -45,7 +45,7 @@ def load_audio(
     """
     if isinstance(source, np.ndarray):
         samples, rate = source, sample_rate or SAMPLE_RATE
-        _check_duration(len(samples) / rate, max_duration_s)
+        _check_duration(max(samples.shape[:2], default=0) / rate, max_duration_s)  # time is the longer side
         return to_model_input(samples, rate)
     try:
         # 16 kHz mono float32 already, and checked block by block (_MonoResampler._append)
@@ -239,6 +239,9 @@ def _read_up_to_the_damage(source, start: int | None, resampler: _MonoResampler)
         pass
 
 
+ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC and MP3 streams
+
+
 def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
     import av
 
@@ -249,9 +252,14 @@ def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress)
             stream = container.streams.audio[0]
             # A damaged header can leave the stream without a rate (PyAV then has no attribute).
             rate = getattr(stream, "sample_rate", None) or getattr(stream.codec_context, "sample_rate", 0)
-            if container.duration:  # microseconds, when the container says
+            # Microseconds, when the container says. Raw ADTS AAC and MP3 streams carry no length:
+            # ffmpeg estimates one from the first frames' bitrate (968 s for 30 s of VBR AAC),
+            # which only sizes the buffer.
+            exact = container.format.name not in ESTIMATED_LENGTH_FORMATS
+            if container.duration and exact:
                 _check_duration(container.duration / 1e6, max_duration_s)
-            mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress)
+            mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress,
+                                  exact)
             # Planar float at the stream's own rate and channel layout; mixed down and
             # resampled to 16 kHz frame by frame.
             converter = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)

@@ -171,6 +171,10 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # output tokens at most, timestamps included
         self.max_text_tokens = max_text_tokens  # and text tokens (below <|endoftext|>), if limited
+        # Text tokens among the first _num_counted of _counted_outputs (at_length_limit counts
+        # each token once: recounting every step made a decode quadratic).
+        self._counted_outputs: list[int] | None = None
+        self._num_counted = self._num_text_tokens = 0
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -244,7 +248,14 @@ class Request:
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             return True
         limit = self.max_text_tokens
-        return limit is not None and sum(1 for token in self.output_token_ids if token < eot) >= limit
+        if limit is None:
+            return False
+        outputs = self.output_token_ids
+        if outputs is not self._counted_outputs:  # another sample's outputs: count afresh
+            self._counted_outputs, self._num_counted, self._num_text_tokens = outputs, 0, 0
+        self._num_text_tokens += sum(1 for token in outputs[self._num_counted:] if token < eot)
+        self._num_counted = len(outputs)
+        return self._num_text_tokens >= limit
 
     @property
     def is_sibling(self) -> bool:

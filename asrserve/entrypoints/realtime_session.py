@@ -113,17 +113,18 @@ class RealtimeSession:
 
     async def _commit(self, event: dict[str, Any]) -> None:
         self.audio.append(self.decoder.flush())
-        if self.item is None and self.turns is not None:
-            # Server VAD heard no speech since the last turn, and kept only the prefix padding
-            # of what came: that is what is committed.
-            self.item = self._new_item(self.audio.origin)
-        item = self.item
-        if item is None or self.audio.end - item.start < MIN_COMMIT_SAMPLES:
+        # With server VAD and no speech heard since the last turn, only the prefix padding of
+        # what came was kept: that is what is committed.
+        start = self.item.start if self.item is not None else None if self.turns is None else self.audio.origin
+        if start is None or self.audio.end - start < MIN_COMMIT_SAMPLES:
             raise RealtimeError(
                 "the input audio buffer holds less than 100 ms of audio to commit", code="input_audio_buffer_commit_empty",
             )
+        item = self.item or self._new_item(start)
         if self.turns is not None:
-            self.turns = self._turn_detector()  # the turn ends here, whatever VAD was hearing
+            # The turn ends here, whatever VAD was hearing; VAD starts again after what was
+            # committed (the resampler's tail included, which it never heard).
+            self._start_vad()
         await self._finish_item(item, self.audio.end)
 
     async def _clear(self, event: dict[str, Any]) -> None:
