@@ -99,6 +99,10 @@ class _MonoResampler:
         self, rate: int, max_duration_s: float | None, declared_frames: int = 0, on_progress: _Progress | None = None,
         declared_exact: bool = True,
     ):
+        # A declared length over the limit is refused before anything is decoded; an estimate
+        # (declared_exact False: an MP3's or a bare AAC stream's) only sizes the buffer.
+        if declared_exact and rate > 0 and declared_frames > 0:
+            _check_duration(declared_frames / rate, max_duration_s)
         if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
             raise AudioError(f"audio has an unsupported sample rate of {rate} Hz")
         self.rate = rate
@@ -194,11 +198,8 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
     try:
         with soundfile.SoundFile(source) as file:
             # An MP3's frame count is the decoder's estimate from its first frame unless a Xing
-            # header gives it: a VBR file without one declared 6549 s for 1243. It sizes the
-            # buffer; the length is checked, and reported, as the file is decoded.
+            # header gives it: a VBR file without one declared 6549 s for 1243.
             exact = file.format != "MP3"
-            if file.samplerate > 0 and file.frames > 0 and exact:
-                _check_duration(file.frames / file.samplerate, max_duration_s)
             resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress, exact)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
@@ -253,11 +254,8 @@ def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress)
             # A damaged header can leave the stream without a rate (PyAV then has no attribute).
             rate = getattr(stream, "sample_rate", None) or getattr(stream.codec_context, "sample_rate", 0)
             # Microseconds, when the container says. Raw ADTS AAC and MP3 streams carry no length:
-            # ffmpeg estimates one from the first frames' bitrate (968 s for 30 s of VBR AAC),
-            # which only sizes the buffer.
+            # ffmpeg estimates one from the first frames' bitrate (968 s for 30 s of VBR AAC).
             exact = container.format.name not in ESTIMATED_LENGTH_FORMATS
-            if container.duration and exact:
-                _check_duration(container.duration / 1e6, max_duration_s)
             mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress,
                                   exact)
             # Planar float at the stream's own rate and channel layout; mixed down and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ from asrserve.config import (
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
-from asrserve.entrypoints.pieces import PieceResult, long_form_params, transcript_text
+from asrserve.entrypoints.pieces import PieceResult, decode_to_the_end, long_form_params, transcript_text
 from asrserve.entrypoints.segments import Segment, Word, build_segments
 from asrserve.errors import InvalidRequestError
 
@@ -194,11 +194,9 @@ class ASR:
             )
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
-        # Word times come from aligning each decode up to its end: a decode stopped at max_tokens
-        # has no end to align, so with words each piece decodes to its end and is cut after.
-        text_limit = max_tokens if word_timestamps else None
-        if text_limit:
-            params = replace(params, max_tokens=None)
+        uncapped = decode_to_the_end(params)
+        text_limit = None if uncapped is params else max_tokens  # each piece cut in _finish
+        params = uncapped
         language_of = self._languages(language, count, task)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)

@@ -64,6 +64,16 @@ def long_form_params(params: SamplingParams, duration_s: float) -> SamplingParam
     return params
 
 
+def decode_to_the_end(params: SamplingParams) -> SamplingParams:
+    """What the engine decodes for a request whose text is cut at params.max_tokens: with
+    word timestamps, each piece to its end, the cut made after (PieceResult.truncate_text).
+    Word times align a decode up to its end, and one stopped at the limit has none: its few
+    words were spread over the whole piece."""
+    if params.word_timestamps and params.max_tokens is not None and not params.ignore_eos:
+        return replace(params, max_tokens=None)
+    return params
+
+
 def separator_for(language: str | None) -> str:
     return "" if language in NO_SPACE_LANGUAGES else " "
 

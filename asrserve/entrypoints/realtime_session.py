@@ -113,10 +113,10 @@ class RealtimeSession:
 
     async def _commit(self, event: dict[str, Any]) -> None:
         self.audio.append(self.decoder.flush())
-        # With server VAD and no speech heard since the last turn, only the prefix padding of
-        # what came was kept: that is what is committed.
-        start = self.item.start if self.item is not None else None if self.turns is None else self.audio.origin
-        if start is None or self.audio.end - start < MIN_COMMIT_SAMPLES:
+        # With no item open, what the buffer kept is committed: with server VAD, the prefix
+        # padding of what came since the last turn (no speech was heard); without, nothing.
+        start = self.item.start if self.item is not None else self.audio.origin
+        if self.audio.end - start < MIN_COMMIT_SAMPLES:
             raise RealtimeError(
                 "the input audio buffer holds less than 100 ms of audio to commit", code="input_audio_buffer_commit_empty",
             )

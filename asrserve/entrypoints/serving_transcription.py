@@ -25,6 +25,7 @@ from asrserve.entrypoints.auth import authorize
 from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
 from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
 from asrserve.entrypoints.live_decode import logprob_entry
+from asrserve.entrypoints.pieces import decode_to_the_end
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.entrypoints.protocol import (
     TIMESTAMPED_FORMATS,
@@ -127,14 +128,12 @@ class TranscriptionParams:
         if params.stream and params.best_of is not None and params.best_of > 1:
             # Streamed text is sent as it is decoded: there is one sample to send.
             raise APIError(400, "best_of: a streamed transcription decodes one sample", param="best_of")
-        # Word times come from aligning each decode up to its end: with words, pieces decode to
-        # their end and the job cuts the text at max_completion_tokens after.
-        max_tokens = None if self.words and not params.ignore_eos else params.max_completion_tokens
-        self.sampling = SamplingParams.transcription(
-            params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=max_tokens,
+        # The job cuts the text at max_completion_tokens (decoded to the end with words).
+        self.sampling = decode_to_the_end(SamplingParams.transcription(
+            params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
             timestamps=self.timestamps, word_timestamps=self.words, best_of=params.best_of,
             ignore_eos=params.ignore_eos, stream_tokens=params.stream,
-        )
+        ))
 
 
 def _chunking_strategy(value: str | dict | None, default: ChunkingStrategy) -> ChunkingStrategy:

@@ -225,11 +225,8 @@ class TranscriptionJob:
                     num_shown = len(shown)
                 delta = text.update(shown)
                 if delta:
-                    if not piece_started and self.text:
-                        delta = self._separator + delta
+                    yield self._add_text(delta, piece_started)
                     piece_started = True
-                    self.text += delta
-                    yield delta
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
             following = None if at_limit else self._continue(piece, samples, depth)
             shown = _text_tokens(piece.token_ids, eot, budget)
@@ -238,10 +235,7 @@ class TranscriptionJob:
             self.num_output_tokens += len(shown)
             delta = text.update(shown) + text.finish()
             if delta:
-                if not piece_started and self.text:
-                    delta = self._separator + delta
-                self.text += delta
-                yield delta
+                yield self._add_text(delta, piece_started)
             if at_limit:
                 self.abort()
                 return
@@ -249,6 +243,13 @@ class TranscriptionJob:
                 break
             stream, piece, samples = following
             depth += 1
+
+    def _add_text(self, delta: str, piece_started: bool) -> str:
+        """The delta as the transcript takes it: a separator before a later piece's first text."""
+        if not piece_started and self.text:
+            delta = self._separator + delta
+        self.text += delta
+        return delta
 
     async def run(self) -> str:
         """Waits for every piece's final decode (after any fallback and continuation) and
