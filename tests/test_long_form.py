@@ -252,6 +252,33 @@ def test_a_dense_long_recording_keeps_every_passage_in_order_under_json(asr):
     assert min(_kept_in_order(passages, one_decode)) < 0.5
 
 
+@pytest.mark.slow
+def test_word_times_across_pieces_are_where_the_words_were_spoken(asr, tmp_path):
+    """Words spoken one at a time by espeak-ng, so that each word's true start and end are
+    known, for ~100 s: several pieces, each cut its own way. Every recognised word that matches
+    the reference lands where it was said (benchmarks/word_timing.py: 94% of words within 0.5 s
+    at both ends, as faster-whisper's on the same weights), with either cut."""
+    from benchmarks.workloads import HARVARD, have_espeak
+    from benchmarks.word_timing import espeak_words_file, matched, recognised_words, words_of
+
+    if not have_espeak():
+        pytest.skip("espeak-ng is not installed")
+    entry = espeak_words_file(HARVARD[:20], tmp_path, np.random.default_rng(0))
+    truth = [(w, start, end) for word, start, end in entry["words"] for w in words_of(word)]
+    duration = len(entry["audio"]) / SAMPLE_RATE
+    assert duration > 70
+    for strategy in (None, "energy"):
+        result = asr.transcribe(entry["audio"], word_timestamps=True, chunking_strategy=strategy)[0]
+        assert len(result.pieces) >= 3, strategy
+        recognised = recognised_words([(w.word, w.start, w.end) for w in result.words])
+        pairs = matched([w for w, _, _ in truth], recognised)
+        assert len(pairs) >= 0.75 * len(truth), (strategy, result.text)
+        near = [max(abs(recognised[j][1] - truth[i][1]), abs(recognised[j][2] - truth[i][2])) <= 0.5 for i, j in pairs]
+        assert sum(near) >= 0.85 * len(pairs), (strategy, sum(near), len(pairs))
+        assert all(0 <= w.start <= w.end <= duration + 1e-6 for w in result.words)
+        assert all(a.start <= b.start for a, b in zip(result.words, result.words[1:]))
+
+
 def test_mostly_silence_decodes_only_the_speech_with_vad(asr, speech_audio):
     """Ten minutes of room noise with three sentences: "auto" cuts at voice activity, returns
     the three sentences and sends the engine a small fraction of the ten minutes."""
