@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +113,77 @@ def test_an_estimated_length_neither_refuses_nor_is_reported(codec):
     assert abs(len(samples) / SAMPLE_RATE - 22) < 0.2 and set(declared) == {0.0}
     with pytest.raises(AudioTooLongError):
         load_audio(encoded, max_duration_s=15)
+
+
+def _ffmpeg(source: bytes, *arguments: str) -> bytes:
+    return subprocess.run(["ffmpeg", "-loglevel", "error", "-i", "pipe:0", *arguments, "pipe:1"],
+                          input=source, capture_output=True, check=True).stdout
+
+
+def _wav_bytes(samples: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
+    wav = io.BytesIO()
+    soundfile.write(wav, samples.astype(np.float32), rate, format="WAV")
+    return wav.getvalue()
+
+
+def test_a_vbr_mp3_whose_first_frames_are_loud_is_read_whole():
+    """The other side of the estimate: a VBR MP3 without a Xing header that starts loud gets a
+    length from its first frame's high bitrate that is too short, and libsndfile stopped there
+    without an error (105 s of speech after a burst of noise came back as 29.6 s)."""
+    require_ffmpeg()
+    rng = np.random.default_rng(0)
+    loud = rng.uniform(-0.9, 0.9, 2 * 44_100)
+    quiet = 0.01 * np.sin(2 * np.pi * 220 * np.arange(40 * 44_100) / 44_100)
+    encoded = _ffmpeg(_wav_bytes(np.concatenate([loud, quiet]), 44_100),
+                      "-c:a", "libmp3lame", "-q:a", "2", "-write_xing", "0", "-f", "mp3")
+    assert abs(len(load_audio(encoded)) / SAMPLE_RATE - 42) < 0.2
+
+
+@pytest.mark.parametrize("suffix, codec", [("m4a", "aac"), ("webm", "libopus"), ("mkv", "pcm_s16le")])
+def test_eight_channel_files_are_mixed_down(speech_files, tmp_path, suffix, codec):
+    """7.1 audio through ffmpeg: PyAV's planar 8-channel frames crashed the process in
+    to_ndarray (a segfault that took the server down), so the decode runs in a child here."""
+    require_ffmpeg()
+    path = tmp_path / f"eight.{suffix}"
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i", str(speech_files[1]), "-filter_complex",
+                    "[0:a]pan=7.1|c2=c0[a]", "-map", "[a]", "-c:a", codec, str(path)], check=True)
+    check = ("import sys, numpy as np; from asrserve.audio.decode import load_audio; "
+             "a = load_audio(sys.argv[1]); print(len(a), float(np.sqrt(np.mean(a ** 2))))")
+    child = subprocess.run([sys.executable, "-c", check, str(path)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    length, rms = child.stdout.split()
+    wav = load_audio(speech_files[1])
+    assert abs(int(length) - len(wav)) < 0.1 * SAMPLE_RATE
+    # One channel of eight carries the speech: the mix holds it at an eighth of its level.
+    assert float(rms) == pytest.approx(np.sqrt(np.mean(wav**2)) / 8, rel=0.25)
+
+
+@pytest.mark.parametrize("suffix", ["mp3", "m4a"])
+def test_a_damaged_frame_is_skipped_as_ffmpeg_skips_it(speech_files, tmp_path, suffix):
+    """A hundred bytes overwritten across the file: libsndfile stopped an MP3 at the first
+    damaged frame without an error (2 s of 5.9 kept), and an m4a was refused whole when its
+    first packets were damaged or ffmpeg answered a damaged AAC frame with EPERM rather than
+    "invalid data". Both now keep every frame the ffmpeg command keeps."""
+    require_ffmpeg()
+    path = tmp_path / f"whole.{suffix}"
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-i", str(speech_files[1]), str(path)], check=True)
+    whole = path.read_bytes()
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        damaged = bytearray(whole)
+        for at in rng.choice(np.arange(2000, len(whole)), 100, replace=False):
+            damaged[at] = int(rng.integers(0, 256))
+        (tmp_path / f"damaged.{suffix}").write_bytes(damaged)  # a file: an m4a's index is read by seeking
+        decoded = subprocess.run(["ffmpeg", "-loglevel", "quiet", "-i", str(tmp_path / f"damaged.{suffix}"), "-ac", "1",
+                                  "-ar", "16000", "-f", "f32le", "pipe:1"], capture_output=True).stdout
+        if not decoded:  # the damage hit what ffmpeg needs to read anything: audio or a clear error
+            try:
+                load_audio(bytes(damaged))
+            except AudioError:
+                pass
+            continue
+        # (an AAC frame more or less: 64 ms at 16 kHz)
+        assert abs(len(load_audio(bytes(damaged))) - len(decoded) // 4) < 0.1 * SAMPLE_RATE, seed
 
 
 def test_wav_with_zero_samples(tmp_path):

@@ -186,7 +186,7 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
     start = source.tell() if hasattr(source, "tell") else None
     try:
         return _decode_soundfile(source, max_duration_s, on_progress)
-    except soundfile.LibsndfileError:
+    except (soundfile.LibsndfileError, _NotForLibsndfile):
         # Containers libsndfile does not read (mp4/m4a, webm, aac, wma, ...): ffmpeg via PyAV.
         if start is not None:
             source.seek(start)
@@ -197,10 +197,12 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
     start = source.tell() if hasattr(source, "tell") else None
     try:
         with soundfile.SoundFile(source) as file:
-            # An MP3's frame count is the decoder's estimate from its first frame unless a Xing
-            # header gives it: a VBR file without one declared 6549 s for 1243.
-            exact = file.format != "MP3"
-            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress, exact)
+            if file.format == "MP3":
+                # libsndfile stops an MP3 at its frame count, which is an estimate from the first
+                # frame unless a Xing header gives it (a VBR file without one lost its last 75
+                # s), and at the first damaged frame without an error: ffmpeg reads MP3 whole.
+                raise _NotForLibsndfile
+            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
             while True:
@@ -215,10 +217,14 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
                     break
                 resampler.add(block)
             return resampler.finish()
-    except (soundfile.LibsndfileError, AudioError):
+    except (soundfile.LibsndfileError, AudioError, _NotForLibsndfile):
         raise
     except (RuntimeError, TypeError, ValueError) as error:
         raise AudioError(f"could not decode audio: {_one_line(error)}") from None
+
+
+class _NotForLibsndfile(Exception):
+    """A format libsndfile opens but does not read as ffmpeg does: ffmpeg decodes it."""
 
 
 SALVAGE_FRAMES = 4096
@@ -258,14 +264,28 @@ def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress)
             exact = container.format.name not in ESTIMATED_LENGTH_FORMATS
             mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress,
                                   exact)
-            # Planar float at the stream's own rate and channel layout; mixed down and
-            # resampled to 16 kHz frame by frame.
-            converter = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+            # Float samples at the stream's own rate and channel layout, mixed down and resampled
+            # to 16 kHz block by block. Frames in planar float are read as they are; any other
+            # goes through a converter to interleaved float. A frame whose format, layout or rate
+            # differs from the ones before (a damaged MP3 frame read as another kind) gets a
+            # converter of its own, to the same output.
+            blocks = _Blocks(mono, stream.layout.nb_channels)
+            converter, source_format = None, None
             for frame in _decoded_frames(container, stream):
-                for converted in converter.resample(frame):
-                    mono.add(converted.to_ndarray().T)  # [samples, channels]
-            for converted in converter.resample(None):
-                mono.add(converted.to_ndarray().T)
+                samples = _planar_float(frame, blocks.channels) if frame.sample_rate == rate else None
+                if converter is not None and (samples is not None or _format(frame) != source_format):
+                    blocks.add(converter.resample(None))  # what it holds goes first, in order
+                    converter = None
+                if samples is not None:
+                    blocks.add_samples(samples)
+                    continue
+                if converter is None:
+                    converter = av.AudioResampler(format="flt", layout=stream.layout, rate=rate)
+                    source_format = _format(frame)
+                blocks.add(converter.resample(frame))
+            if converter is not None:
+                blocks.add(converter.resample(None))
+            blocks.flush()
             return mono.finish()
     except AudioError:
         raise
@@ -274,23 +294,65 @@ def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress)
         raise AudioError(message) from None
 
 
+class _Blocks:
+    """Gathers decoded frames (an MP3 frame is 1152 samples) into blocks of about
+    BLOCK_SAMPLES before they are mixed down and resampled: frame by frame, that work cost 3×
+    what libsndfile takes for a whole MP3."""
+
+    def __init__(self, mono: _MonoResampler, channels: int):
+        self.mono = mono
+        self.channels = channels
+        self.pending: list[np.ndarray] = []  # [samples, channels] each
+        self.size = 0
+
+    def add(self, frames) -> None:
+        for frame in frames:
+            self.add_samples(frame.to_ndarray().reshape(-1, self.channels))  # interleaved float
+
+    def add_samples(self, samples: np.ndarray) -> None:
+        self.pending.append(samples)
+        self.size += samples.size
+        if self.size >= BLOCK_SAMPLES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.mono.add(np.concatenate(self.pending))
+            self.pending, self.size = [], 0
+
+
+def _format(frame) -> tuple:
+    return frame.format.name, frame.layout.name, frame.sample_rate
+
+
+def _planar_float(frame, channels: int) -> np.ndarray | None:
+    """A frame already in planar float32 (what ffmpeg's MP3, AAC, Opus and Vorbis decoders give),
+    read from its planes without a conversion: [samples, channels]. Plane by plane, as many as
+    the layout has channels (PyAV's to_ndarray read a ninth plane of 7.1 audio and crashed)."""
+    if frame.format.name != "fltp" or frame.layout.nb_channels != channels:
+        return None
+    planes = [np.frombuffer(frame.planes[c], np.float32, frame.samples) for c in range(channels)]
+    return np.stack(planes, axis=1)
+
+
 def _decoded_frames(container, stream):
     """The stream's frames, packet by packet. A packet that fails to decode (a file cut off
-    mid-frame, a damaged frame) is skipped, as the ffmpeg command does, once earlier packets
-    have decoded; if the first packets fail too, the file is not audio ffmpeg reads."""
+    mid-frame, a damaged frame, the first ones included) is skipped, as the ffmpeg command
+    skips it; if no packet decodes, the file is not audio ffmpeg reads."""
     import av
 
-    decoded_any = False
+    decoded_any, first_error = False, None
     for packet in container.demux(stream):
         try:
             frames = packet.decode()
-        except av.error.InvalidDataError:
-            if not decoded_any:
-                raise
+        except av.FFmpegError as error:  # InvalidDataError mostly; a damaged AAC frame also gave EPERM
+            first_error = first_error or error
             continue
         for frame in frames:
             decoded_any = True
             yield frame
+    if not decoded_any and first_error is not None:
+        raise first_error
 
 
 def _check_duration(duration_s: float, max_duration_s: float | None) -> None:
