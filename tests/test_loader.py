@@ -95,6 +95,32 @@ def test_hugging_face_directory(tmp_path):
     assert 50359 in loaded.generation.suppress_tokens  # from generation_config.json
 
 
+def test_only_the_weights_transformers_loads_are_read(tmp_path):
+    """openai/whisper-large-v3 ships model.safetensors and the same weights again in float32
+    shards (model.fp32-0000N-of-00002.safetensors): every *.safetensors was read, and a
+    variant's tensors could replace the main file's. A sharded checkpoint loads through its
+    index."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_reference import save_random_checkpoint
+
+    model = save_random_checkpoint(tmp_path / "one", 51864)
+    weights = load_file(str(tmp_path / "one" / "model.safetensors"))
+    variant = {name: torch.full_like(tensor, float("nan")) for name, tensor in weights.items()}
+    save_file(variant, str(tmp_path / "one" / "model.fp32-00001-of-00001.safetensors"))
+    loaded = load(str(tmp_path / "one"))
+    conv = loaded.model.encoder.conv1.weight
+    assert torch.equal(conv, weights["model.encoder.conv1.weight"].to(conv.dtype))
+
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    shutil.copy(tmp_path / "one" / "tokenizer.json", tmp_path / "sharded")
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+    save_file(variant, str(tmp_path / "sharded" / "model.fp32-00001-of-00001.safetensors"))
+    sharded = load(str(tmp_path / "sharded"))
+    assert all(torch.equal(a, b) for a, b in zip(sharded.model.state_dict().values(),
+                                                 loaded.model.state_dict().values()))
+
+
 @pytest.mark.parametrize(
     ("name", "n_mels", "vocab", "no_timestamps", "languages"),
     [("tiny.en", 80, 51864, 50362, 1), ("base", 80, 51865, 50363, 99), ("large-v3", 128, 51866, 50364, 100)],

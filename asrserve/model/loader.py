@@ -144,14 +144,16 @@ def _download(repo_id: str, config: ModelConfig, hint: str | None) -> _Checkpoin
                 repo_id,
                 revision=config.revision,
                 cache_dir=config.download_dir,
-                allow_patterns=["*.json", "*.txt", "*.safetensors", "model.bin*"],
+                # The weights transformers loads (not a repo's other variants: large-v3 has its
+                # 3 GB again in float32), or a CTranslate2 model.bin.
+                allow_patterns=["*.json", "*.txt", "model.safetensors", "model-*-of-*.safetensors", "model.bin*"],
             )
         )
         if not _hf_weight_files(path) and not ctranslate2.is_checkpoint_dir(path):
             path = Path(
                 snapshot_download(
                     repo_id, revision=config.revision, cache_dir=config.download_dir,
-                    allow_patterns=["pytorch_model*.bin"],
+                    allow_patterns=["pytorch_model.bin", "pytorch_model-*-of-*.bin"],
                 )
             )
     except Exception as error:  # the hub client raises many types; all mean "not available"
@@ -164,10 +166,24 @@ def _download(repo_id: str, config: ModelConfig, hint: str | None) -> _Checkpoin
 
 
 def _hf_weight_files(path: Path) -> list[Path]:
+    """The weight files transformers would load: model.safetensors, or the shards its index
+    names, else the same for pytorch_model.bin. Other variants beside them are not loaded
+    (openai/whisper-large-v3 ships model.safetensors in float16 and the same weights again as
+    model.fp32-0000N-of-00002.safetensors). A folder with none of those names: every
+    *.safetensors in it, else every pytorch_model*.bin."""
     if not (path / "config.json").is_file():
         return []
-    safetensors = sorted(path.glob("*.safetensors"))
-    return safetensors or sorted(path.glob("pytorch_model*.bin"))
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            try:
+                shards = json.loads((path / index).read_text())["weight_map"].values()
+            except (ValueError, KeyError, AttributeError) as error:
+                raise ModelLoadError(f"{path / index} is not a weight index: {_one_line(error)}") from None
+            return [path / name for name in sorted(set(shards))]
+    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
 
 
 # --- reading weights ----------------------------------------------------------------------
