@@ -91,12 +91,15 @@ def decoding_request(name: str, num_computed: int, num_tokens: int, rng):
     return request
 
 
-def run_to_completion(engine) -> dict[str, list[int]]:
-    """Steps the engine until it is idle; the output tokens of every request by id."""
+def run_to_completion(engine, languages: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """Steps the engine until it is idle; the output tokens of every request by id (and into
+    `languages`, each request's detected language)."""
     tokens: dict[str, list[int]] = {}
     while engine.has_work():
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.language and languages is not None:
+                languages[output.request_id] = output.language
     return tokens
 
 

@@ -69,7 +69,7 @@ def _loud(seconds=30.0) -> np.ndarray:
 def test_a_decode_that_stopped_early_is_continued_from_its_last_segment(tiny_en_engine):
     tokenizer = tiny_en_engine.tokenizer
     piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0])
-    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None)
+    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=True)
     assert plan is not None and plan.reason == "early_stop" and plan.seek_s == pytest.approx(5.0)
     assert plan.prompt == "We went home at noon. Then it rained all day."  # previous text for the rest
     assert piece.duration_s == pytest.approx(5.0)
@@ -77,15 +77,18 @@ def test_a_decode_that_stopped_early_is_continued_from_its_last_segment(tiny_en_
     quiet = _loud()
     quiet[5 * SAMPLE_RATE :] = 0
     piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0])
-    assert plan_continuation(tokenizer, piece, quiet, depth=0, user_prompt=None) is None
+    assert plan_continuation(tokenizer, piece, quiet, depth=0, user_prompt=None, timestamps=True) is None
     # Nor when the decode ran to the piece's end, is judged silence, or has continued too often.
     full = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0], duration=6.5)
-    assert plan_continuation(tokenizer, full, _loud(6.5), depth=0, user_prompt=None) is None
+    assert plan_continuation(tokenizer, full, _loud(6.5), depth=0, user_prompt=None, timestamps=True) is None
     silence = _piece(tokenizer, [0.0, " We went home at noon.", 2.4])
     silence.summary.no_speech = True
-    assert plan_continuation(tokenizer, silence, _loud(), depth=0, user_prompt=None) is None
+    assert plan_continuation(tokenizer, silence, _loud(), depth=0, user_prompt=None, timestamps=True) is None
     piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4])
-    assert plan_continuation(tokenizer, piece, _loud(), depth=8, user_prompt=None) is None
+    assert plan_continuation(tokenizer, piece, _loud(), depth=8, user_prompt=None, timestamps=True) is None
+    # A decode without timestamps is never continued, even with a stray timestamp token in it
+    # (random weights write them after <|notimestamps|>).
+    assert plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=False) is None
 
 
 def test_text_cut_off_by_the_token_limit_is_read_again(tiny_en_engine):
@@ -93,13 +96,13 @@ def test_text_cut_off_by_the_token_limit_is_read_again(tiny_en_engine):
     piece = _piece(tokenizer, [0.0, " One two three.", 3.0, 3.0, " Four five six"], finish_reason="length")
     piece.token_ids.pop()  # a length finish has no <|endoftext|>
     piece.logprobs.pop()
-    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt="names")
+    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt="names", timestamps=True)
     assert plan is not None and plan.reason == "length" and plan.seek_s == pytest.approx(3.0)
     assert tokenizer.decode(piece.token_ids).strip() == "One two three."
     assert len(piece.logprobs) == len(piece.token_ids)
     # A high-temperature decode's text is no prompt: the user's prompt is kept instead.
     hot = _piece(tokenizer, [0.0, " One two three.", 3.0, 3.0, " Four"], finish_reason="length", temperature=0.8)
-    assert plan_continuation(tokenizer, hot, _loud(), depth=0, user_prompt="names").prompt == "names"
+    assert plan_continuation(tokenizer, hot, _loud(), depth=0, user_prompt="names", timestamps=True).prompt == "names"
 
 
 def test_an_implausibly_long_segment_is_decoded_again(tiny_en_engine):
@@ -107,13 +110,13 @@ def test_an_implausibly_long_segment_is_decoded_again(tiny_en_engine):
     # Five words spread over 20 s after a normal segment: decode again from where it starts.
     piece = _piece(tokenizer, [0.0, " It began at dawn.", 2.0, 2.0, " the dreams built around it.", 22.0])
     assert settled_length(tokenizer, piece.token_ids) == len(_piece(tokenizer, [0.0, " It began at dawn.", 2.0]).token_ids) - 1
-    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None)
+    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=True)
     assert plan.reason == "implausible_segment" and plan.seek_s == pytest.approx(2.0)
     assert tokenizer.decode(piece.token_ids).strip() == "It began at dawn."
     # The same segment opening the piece keeps its words over a plausible span, and the rest
     # is decoded after it.
     first = _piece(tokenizer, [0.0, " the dreams built around it.", 24.0])
-    plan = plan_continuation(tokenizer, first, _loud(), depth=0, user_prompt=None)
+    plan = plan_continuation(tokenizer, first, _loud(), depth=0, user_prompt=None, timestamps=True)
     assert plan.reason == "implausible_segment" and 1.0 < plan.seek_s < 6.0
     assert tokenizer.timestamp_seconds(first.token_ids[-1]) == pytest.approx(plan.seek_s)
     segments = build_segments(tokenizer, [first], "en")
@@ -124,7 +127,7 @@ def test_continuation_times_are_absolute(tiny_en_engine):
     tokenizer = tiny_en_engine.tokenizer
     parent = _piece(tokenizer, [0.0, " First part.", 4.0])
     parent.offset_s = 60.0
-    plan = plan_continuation(tokenizer, parent, _loud(), depth=0, user_prompt=None)
+    plan = plan_continuation(tokenizer, parent, _loud(), depth=0, user_prompt=None, timestamps=True)
     child = _piece(tokenizer, [0.5, " Second part.", 3.0], duration=30.0 - plan.seek_s)
     child.offset_s = parent.offset_s + plan.seek_s
     segments = build_segments(tokenizer, [parent, child], "en")

@@ -77,6 +77,33 @@ def test_bundled_tiny_en_on_human_speech(tiny_en_engine):
     assert corpus_wer([r[7] for r in chosen], texts) < 0.1
 
 
+def test_a_prompt_does_not_sway_language_detection(tmp_path, speech_audio):
+    """The language is detected from <|startoftranscript|> alone, as transformers and
+    openai/whisper detect it; the prompt then goes in front of the transcript's decode. With
+    the prompt before <|startoftranscript|>, a Japanese prompt made base read English as
+    Japanese, and on random weights every prompt moved the detection."""
+    from asrserve.engine.request import SamplingParams
+    from tests.conftest import run_to_completion
+
+    hf_model = save_random_checkpoint(tmp_path, 51865)
+    audios = _test_audios(speech_audio)[:4]
+    expected = hf_detect_language(hf_model, hf_model.generation_config, audios)
+    engine = EngineCore(engine_config(str(tmp_path), dtype="float32"))
+    prompt = "Hello there, Acme Corp. Grüße, 日本語のテキスト。"
+    params = SamplingParams(max_tokens=20)
+    for i, audio in enumerate(audios):
+        engine.add_request(f"detect{i}", audio, prompt=prompt, sampling_params=params)
+    languages: dict[str, str] = {}
+    detected = run_to_completion(engine, languages)
+    assert [engine.tokenizer.special.language_ids[languages[f"detect{i}"]] for i in range(len(audios))] == expected
+    # What follows the detection is the decode of the prompt, the language given.
+    for i, audio in enumerate(audios):
+        engine.add_request(f"given{i}", audio, language=languages[f"detect{i}"], prompt=prompt, sampling_params=params)
+    given = run_to_completion(engine)
+    assert all(detected[f"detect{i}"] == given[f"given{i}"] for i in range(len(audios)))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 @pytest.mark.slow
 def test_language_detection_matches_transformers(tmp_path, speech_audio):
     """Multilingual base without a language: the first decode step picks the language with the

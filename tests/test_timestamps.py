@@ -223,6 +223,18 @@ def test_median_filter_matches_numpy():
     np.testing.assert_allclose(median_filter(x, 7).numpy(), np.median(windows, axis=-1), rtol=1e-6)
 
 
+def test_prompt_text_that_spells_special_tokens_stays_text(tokenizer):
+    """"<|endoftext|>", "<|de|>" or "<|0.00|>" typed into a prompt are characters, as in
+    openai/whisper's tokenizer: they used to become the control tokens (a prompt could end the
+    previous text, or name a language, a task or a time). Ordinary text encodes as before."""
+    text = "hi <|endoftext|> <|de|> <|translate|> <|0.00|> there"
+    ids = tokenizer.prompt_tokens(text)
+    assert all(i < tokenizer.special.eot for i in ids)
+    assert tokenizer.decode(ids) == " " + text
+    plain = " And so, my fellow Americans: ask not... 日本語 émoji 😀\n\ttabs"
+    assert tokenizer.encode(plain) == tokenizer.tokenizer.encode(plain, add_special_tokens=False).ids
+
+
 def test_words_keep_punctuation_with_their_word(tokenizer):
     text = ' Hello, world! She said "yes" (twice) and left.'
     tokens = tokenizer.encode(text)

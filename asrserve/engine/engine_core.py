@@ -87,6 +87,12 @@ class EngineCore:
         previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         detect_language = language is None and self.is_multilingual
+        sot_index = tokens.index(self.tokenizer.special.sot)
+        previous_text: list[int] = []
+        if detect_language:
+            # From <|startoftranscript|> alone, as openai/whisper and transformers detect it: after a
+            # Japanese prompt base read English as Japanese. The prompt goes in front afterwards.
+            previous_text, tokens, sot_index = tokens[:sot_index], tokens[sot_index:], 0
         prefix = list(prefix or [])
         if prefix:
             self.check_prefix(prefix)
@@ -95,7 +101,7 @@ class EngineCore:
         if not detect_language:
             tokens += prefix
         # Whisper's sample_len: half the decoder context, and never past its end.
-        prompt_len = len(tokens) + (3 + len(prefix) if detect_language else 0)
+        prompt_len = len(tokens) + (len(previous_text) + 3 + len(prefix) if detect_language else 0)
         limit = self.dims.n_text_ctx - prompt_len
         max_tokens = min(sampling_params.max_tokens or self.dims.n_text_ctx // 2, limit)
         max_text_tokens = None
@@ -105,8 +111,8 @@ class EngineCore:
         request = Request(
             request_id, audio, tokens, sampling_params, max_tokens, max_text_tokens=max_text_tokens, task=task,
             detect_language=detect_language,
-            sot_index=tokens.index(self.tokenizer.special.sot), prefix_token_ids=prefix, interactive=interactive,
-            urgent=urgent, draft_token_ids=draft,
+            sot_index=sot_index, prefix_token_ids=prefix, interactive=interactive, urgent=urgent, draft_token_ids=draft,
+            previous_text_ids=previous_text,
         )
         request.language = known_language
         self.scheduler.add(request)

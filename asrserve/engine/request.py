@@ -165,6 +165,7 @@ class Request:
         interactive: bool = False,
         urgent: bool = False,
         draft_token_ids: list[int] | None = None,
+        previous_text_ids: list[int] | None = None,
     ):
         self.request_id = request_id
         self.audio = audio  # 16 kHz mono float32, at most 30 s
@@ -193,6 +194,9 @@ class Request:
         self.language_prob: float | None = None
         # Where <|startoftranscript|> sits in the prompt: no_speech_prob is read there.
         self.sot_index = sot_index
+        # <|startofprev|> and a prompt's text, put in front of the prompt once the language is
+        # detected (without them, as openai/whisper and transformers detect it).
+        self.previous_text_ids = list(previous_text_ids or [])
         # Text the transcript must begin with: the end of the prompt (after the task tokens,
         # which a language detection inserts first). Outputs continue it.
         self.prefix_token_ids = list(prefix_token_ids or [])
@@ -276,6 +280,22 @@ class Request:
     @property
     def _decodes_alone(self) -> bool:
         return not self.is_sibling and self.group.is_single_decode
+
+    def set_detected_language(self, language: str, probability: float, task_tokens: list[int]) -> bool:
+        """The first step picked the language: the task tokens and the prefix extend the prompt.
+        True when the prompt is to be computed again from its start, the previous text now in
+        front of <|startoftranscript|> (its blocks are the caller's to let go of)."""
+        self.needs_language = False
+        self.language, self.language_prob = language, probability
+        self.prompt_token_ids += [*task_tokens, *self.prefix_token_ids]
+        if not self.previous_text_ids:
+            return False
+        self.prompt_token_ids[:0] = self.previous_text_ids
+        self.sot_index += len(self.previous_text_ids)
+        self.previous_text_ids = []
+        self.num_computed_tokens = 0
+        self.no_speech_prob = None  # read again after the previous text, where openai/whisper reads it
+        return True
 
     @property
     def reads_no_speech_prob(self) -> bool:

@@ -166,13 +166,10 @@ class Scheduler:
             if sampled.no_speech_probs and sampled.no_speech_probs[index] is not None:
                 request.no_speech_prob = sampled.no_speech_probs[index]
             if request.needs_language:
-                request.needs_language = False
-                request.language = self.tokenizer.language_of(token_id)
-                request.language_prob = math.exp(logprob)
-                request.prompt_token_ids.extend(
-                    self.tokenizer.task_tokens(request.language, request.task, request.sampling_params.timestamps)
-                )
-                request.prompt_token_ids.extend(request.prefix_token_ids)
+                language = self.tokenizer.language_of(token_id)
+                task_tokens = self.tokenizer.task_tokens(language, request.task, request.sampling_params.timestamps)
+                if request.set_detected_language(language, math.exp(logprob), task_tokens):
+                    self.block_manager.trim(request, 0)  # computed again, the previous text first
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
                 continue
             for token, token_logprob, alignment in self.drafts.settle(request, proposal, sampled, index):

@@ -68,15 +68,19 @@ def plan_continuation(
     depth: int,
     user_prompt: str | None,
     language: str | None = None,
+    *,
+    timestamps: bool,
 ) -> Continuation | None:
     """Decides whether the finished `piece` (its audio: `samples`) needs a continuation, and if
     so cuts its tokens at the seek point. depth: continuations already made for this piece;
-    language: the job's, for a piece that has none of its own."""
+    language: the job's, for a piece that has none of its own; timestamps: whether the piece
+    decoded with them. Without them there is nothing to seek by: a stray timestamp token after
+    <|notimestamps|> (random weights write them) once sent a json request past its 224 tokens."""
     if depth >= MAX_CONTINUATIONS or piece.is_silence or piece.finish_reason not in ("stop", "length"):
         return None
     eot = tokenizer.special.eot
-    if not any(tokenizer.is_timestamp(token) for token in piece.token_ids):
-        return None  # decoded without timestamps: there is nothing to seek by
+    if not timestamps:
+        return None
     segments, open_index = _segments(tokenizer, piece.token_ids)
     found = _seek_point(piece, segments, open_index)
     if found is None:

@@ -238,7 +238,7 @@ class ASR:
             if not seek_continuation:
                 return 0
             plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt,
-                                     piece.job.language)
+                                     piece.job.language, timestamps=piece.job.params.timestamps)
             if plan is None:
                 return 0
             pieces = piece.job.pieces

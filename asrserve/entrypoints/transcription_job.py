@@ -165,7 +165,8 @@ class TranscriptionJob:
         tokens where it starts): its stream, result and audio. None if the piece is done."""
         if not self.seek_continuation or self._aborted:
             return None
-        plan = plan_continuation(self.tokenizer, piece, samples, depth, self.prompt, self.language)
+        plan = plan_continuation(self.tokenizer, piece, samples, depth, self.prompt, self.language,
+                                 timestamps=self.sampling_params.timestamps)
         if plan is None:
             return None
         request = self._request(plan.samples, plan.result.language, plan.prompt)

@@ -101,7 +101,17 @@ class WhisperTokenizer:
         return list(self.special.language_ids) if self.is_multilingual else ["en"]
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Ordinary tokens only: text that spells a special token ("<|endoftext|>", "<|de|>",
+        "<|0.00|>") is encoded as the characters it is, as openai/whisper's tokenizer does.
+        Tokenizer.encode would match it as the control token: a prompt could end the previous
+        text, name a language or a task, or place a timestamp."""
+        tokenizer = self.tokenizer
+        if tokenizer.pre_tokenizer is None:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+        if tokenizer.normalizer is not None:
+            text = tokenizer.normalizer.normalize_str(text)
+        pieces = tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        return [token.id for piece, _ in pieces for token in tokenizer.model.tokenize(piece)]
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of the ordinary tokens; special and timestamp tokens are dropped."""
