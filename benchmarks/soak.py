@@ -105,7 +105,7 @@ def run_soak(num_requests: int, concurrency: int, segment: int, warmup: int, fil
         "wall_seconds": round(sum(point["wall_seconds"] for point in timeline), 1),
         "engine_held_after": held_after,
         "kv_blocks_total": metrics["asrserve_kv_cache_blocks_total"],
-        "preemptions": metrics["asrserve_preemptions"],
+        "preemptions": metrics["asrserve_preemptions_total"],
         "timeline": timeline,
     }
 

@@ -243,18 +243,26 @@ def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(
         assert set(loading) == {503}
 
         engine_pid = process.engine_pid()
-        with ThreadPoolExecutor(1) as pool:
-            in_flight = pool.submit(
-                httpx.post, f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[4].read_bytes()},
+        with ThreadPoolExecutor(4) as pool:
+            in_flight = [pool.submit(
+                httpx.post, f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[i].read_bytes()},
                 timeout=60,
-            )
-            time.sleep(0.3)
+            ) for i in range(4)]
+            deadline = time.monotonic() + 10  # killed while the engine says it is decoding
+            while process.metrics().get("asrserve_num_requests_running", 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
             subprocess.run(["kill", "-9", str(engine_pid)], check=True)
-            response = in_flight.result()
-        # The request in flight fails cleanly instead of hanging.
-        assert response.status_code in (200, 503)
-        if response.status_code == 503:
-            _assert_error(response, 503, code="engine_dead")
+            responses = [future.result() for future in in_flight]
+        # The requests in flight fail cleanly instead of hanging.
+        for response in responses:
+            assert response.status_code in (200, 503)
+            if response.status_code == 503:
+                _assert_error(response, 503, code="engine_dead")
+        # What the dead engine held is not reported as still held.
+        metrics = process.metrics()
+        engine_gauges = ["asrserve_num_requests_running", "asrserve_num_requests_waiting",
+                         "asrserve_kv_cache_blocks_used", "asrserve_encoder_cache_entries"]
+        assert [metrics[name] for name in engine_gauges] == [0, 0, 0, 0]
         seen_503 = False
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and process.process.poll() is None:

@@ -159,7 +159,7 @@ def test_text_arrives_while_the_person_speaks(server, speech_audio, offline):
     """A 6 s sentence at real time: deltas come before the turn ends, not only after; the final
     decode checks the words the last interim decode read and did not send (its draft)."""
     audio = np.concatenate([silence(0.3), speech_audio[6], silence(1.0)])
-    drafted = server.metrics().get("asrserve_draft_tokens_checked", 0)
+    drafted = server.metrics().get("asrserve_draft_tokens_checked_total", 0)
 
     async def run():
         async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
@@ -176,7 +176,7 @@ def test_text_arrives_while_the_person_speaks(server, speech_audio, offline):
     first_delta = kinds.index("conversation.item.input_audio_transcription.delta")
     assert first_delta < kinds.index("input_audio_buffer.speech_stopped"), kinds
     metrics = server.metrics()
-    assert metrics["asrserve_draft_tokens_checked"] > drafted
+    assert metrics["asrserve_draft_tokens_checked_total"] > drafted
 
 
 def test_manual_commit_16_khz_with_logprobs(server, speech_audio, offline):

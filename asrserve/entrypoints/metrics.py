@@ -64,16 +64,18 @@ class ServerMetrics:
         self.encoder_cache_entries = Gauge(
             "asrserve_encoder_cache_entries", "Encoder outputs held by the engine", registry=registry
         )
-        self.preemptions = Gauge(
-            "asrserve_preemptions", "Requests preempted for lack of KV blocks since start", registry=registry
+        # Running totals of the engine: counters, raised by what each step's totals add.
+        self.preemptions = Counter(
+            "asrserve_preemptions", "Requests preempted for lack of KV blocks", registry=registry
         )
-        self.draft_tokens_checked = Gauge(
+        self.draft_tokens_checked = Counter(
             "asrserve_draft_tokens_checked", "Draft tokens (a live decode's guess from the session's last interim decode) "
-            "checked by the decoder since start", registry=registry,
+            "checked by the decoder", registry=registry,
         )
-        self.draft_tokens_accepted = Gauge(
-            "asrserve_draft_tokens_accepted", "Draft tokens kept (the decode chose them) since start", registry=registry
+        self.draft_tokens_accepted = Counter(
+            "asrserve_draft_tokens_accepted", "Draft tokens kept (the decode chose them)", registry=registry
         )
+        self._engine_totals = (0, 0, 0)
         self.realtime_sessions = Gauge(
             "asrserve_realtime_sessions", "Live transcription sessions connected to /v1/realtime", registry=registry
         )
@@ -92,12 +94,22 @@ class ServerMetrics:
         self.kv_cache_blocks_used.set(stats.kv_blocks_used)
         self.kv_cache_blocks_total.set(stats.kv_blocks_total)
         self.encoder_cache_entries.set(stats.encoder_cache_entries)
-        self.preemptions.set(stats.num_preemptions)
-        self.draft_tokens_checked.set(stats.draft_tokens_checked)
-        self.draft_tokens_accepted.set(stats.draft_tokens_accepted)
+        totals = (stats.num_preemptions, stats.draft_tokens_checked, stats.draft_tokens_accepted)
+        for counter, total, before in zip((self.preemptions, self.draft_tokens_checked, self.draft_tokens_accepted),
+                                          totals, self._engine_totals):
+            if total > before:
+                counter.inc(total - before)
+        self._engine_totals = totals
         for size, count in stats.encoder_batch_sizes.items():
             for _ in range(count):
                 self.encoder_batch_size.observe(size)
+
+    def record_engine_gone(self) -> None:
+        """The engine process died: what it held went with it (its last step's figures would
+        show a dead replica busy until the server exits)."""
+        for gauge in (self.num_requests_waiting, self.num_requests_running, self.kv_cache_blocks_used,
+                      self.encoder_cache_entries):
+            gauge.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

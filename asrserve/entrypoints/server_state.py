@@ -89,6 +89,7 @@ class ServerState:
             info.model_name, info.model_source, info.device, info.dtype, info.num_kv_blocks, info.block_size,
         )
         await failed
+        self.metrics.record_engine_gone()
         # Stay up for a moment answering /health with 503, so load balancers see it go.
         await asyncio.sleep(self.config.engine_death_grace_s)
         self.request_exit(1)
