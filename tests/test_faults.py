@@ -3,6 +3,7 @@ that dies, and SIGTERM. Each must free everything it held and tell the orchestra
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -214,8 +215,9 @@ def test_sigterm_cancels_what_outlasts_the_grace_period(minute_of_speech):
                              "--max-num-seqs", "1"])
     try:
         process.wait_ready()
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             in_flight = pool.submit(_transcribe, process, minute_of_speech)
+            streamed = pool.submit(_transcribe, process, minute_of_speech, stream="true")
             while process.metrics()["asrserve_num_requests_running"] == 0:
                 time.sleep(0.05)
             signalled = time.monotonic()
@@ -226,8 +228,14 @@ def test_sigterm_cancels_what_outlasts_the_grace_period(minute_of_speech):
             response = in_flight.result()
             _assert_error(response, 503, code="shutting_down")
             assert response.headers["retry-after"] == "1"
+            # A stream under way ends with the same error as its last event, not mid-body.
+            stream = streamed.result()
+            assert stream.status_code == 200
+            last = json.loads(stream.text.strip().split("\n\n")[-1].removeprefix("data: "))
+            assert last["error"]["code"] == "shutting_down", stream.text[-500:]
         assert stopped < 10, stopped  # 0.5 s of grace, then the engine's own shutdown
         assert "timeout graceful shutdown exceeded" in process.logs()
+        assert "Exception in ASGI application" not in process.logs()
     finally:
         process.stop()
 

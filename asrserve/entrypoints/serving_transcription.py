@@ -195,6 +195,7 @@ async def _run_job(
         return _CleanupStreamingResponse(
             _sse_events(state, job, job_params),
             cleanup,
+            lambda: state.shutting_down,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -234,15 +235,30 @@ def _render(state: ServerState, job: TranscriptionJob, job_params: Transcription
 
 class _CleanupStreamingResponse(StreamingResponse):
     """Runs `cleanup` when the response ends for any reason, even if the client left before
-    the first byte and the event generator never started."""
+    the first byte and the event generator never started. A stream the server's drain cut off
+    (--graceful-shutdown-timeout-s ran out) ends with the `shutting_down` error a request not
+    streamed gets, rather than mid-body with a traceback in the log."""
 
-    def __init__(self, content, cleanup: Callable[[], None], **kwargs):
+    def __init__(self, content, cleanup: Callable[[], None], shutting_down: Callable[[], bool], **kwargs):
         super().__init__(content, **kwargs)
         self.cleanup = cleanup
+        self.shutting_down = shutting_down
 
     async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_and_note(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_and_note)
+        except asyncio.CancelledError:
+            if not (started and self.shutting_down()):
+                raise  # (before the headers, the server answers 503 itself)
+            last = _sse(shutting_down_error().body()).encode()
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             self.cleanup()
 
