@@ -132,7 +132,7 @@ def test_cli_text_and_json(speech_files, tmp_path):
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["file"] for r in records] == [str(speech_files[1]), str(speech_files[5])]
-    assert records[0]["text"] == lines[0] and records[0]["language"] == "en" and records[0]["duration"] > 1
+    assert records[0]["text"] == lines[0] and records[0]["language"] == "english" and records[0]["duration"] > 1
     assert "2/2" in result.stderr  # the progress bar
 
 
@@ -222,7 +222,7 @@ def test_cli_multilingual_translation_flags(tmp_path):
     clip = synthesize(german, tmp_path / "de.wav", "de")
     result = _cli("--model", "base", "-f", "json", str(clip))
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["language"] == "de"
+    assert json.loads(result.stdout)["language"] == "german"
     result = _cli("--model", "base", "--language", "de", "--task", "translate", str(clip))
     assert result.returncode == 0, result.stderr
     assert any(word in result.stdout.lower() for word in ("morning", "tomorrow"))

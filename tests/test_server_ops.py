@@ -266,7 +266,7 @@ def test_translation_and_language_detection(base_server, tmp_path):
     with open(german, "rb") as file:
         verbose = client.audio.translations.create(model="base", file=file, response_format="verbose_json")
     # OpenAI's type: "the language of the output translation (always english)"
-    assert verbose.task == "translate" and verbose.language == "en" and verbose.segments
+    assert verbose.task == "translate" and verbose.language == "english" and verbose.segments
     assert verbose.text == " ".join(s.text.strip() for s in verbose.segments)
     assert len(set(re.findall(r"[a-z]+", verbose.text.lower())) & ENGLISH_WORDS) >= 2, verbose.text
     response = httpx.post(
@@ -288,7 +288,7 @@ def test_silence_on_a_multilingual_model_still_names_a_language(base_server):
                               data={"response_format": "verbose_json"}, timeout=120)
         assert response.status_code == 200, response.text
         body = TranscriptionVerbose.model_validate(response.json())
-        assert body.language == "en" and body.text == ""
+        assert body.language == "english" and body.text == ""
 
 
 # --- start-up failures -------------------------------------------------------------------

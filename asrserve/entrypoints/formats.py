@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from asrserve.entrypoints.segments import Segment
+from asrserve.model.languages import LANGUAGES
 
 CONTENT_TYPES = {
     "srt": "application/x-subrip; charset=utf-8",
@@ -45,12 +46,14 @@ def to_vtt(segments: list[Segment]) -> str:
 
 
 def reported_language(task: str, language: str | None) -> str:
-    """OpenAI's types require a language. A translation's is its output's, English. A
-    transcription of which no audio reached the model (digital silence, no speech found) on a
-    multilingual model has none detected: English, as Whisper reads silence."""
+    """The language as OpenAI's verbose_json names it: in lower-case English ("english",
+    "german"), as Whisper's own table does, not the ISO code. A translation's is its output's
+    (OpenAI's type: "always `english`"). A transcription of which no audio reached the model
+    (digital silence, no speech found) on a multilingual model has none detected: English, as
+    Whisper reads silence."""
     if task == "translate" or language is None:
-        return "en"
-    return language
+        return LANGUAGES["en"]
+    return LANGUAGES.get(language, language)
 
 
 def to_verbose_json(
