@@ -44,7 +44,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asrserve.audio.features import SAMPLE_RATE  # noqa: E402
-from benchmarks.long_form import ESPEAK_VOICES, HARVARD_MORE, espeak, faster_whisper_dir, real_en, room_tone  # noqa: E402
+from benchmarks.long_form import (  # noqa: E402
+    ESPEAK_VOICES, HARVARD_MORE, espeak, faster_whisper_dir, real_en, room_tone,
+)
 from benchmarks.workloads import HARVARD  # noqa: E402
 
 SETS = ["espeak-words", "real-en"]
@@ -275,12 +277,14 @@ def main() -> None:
 
 def table(results: list[dict]) -> str:
     lines = ["| model | set | system | scored / words | start error median (p90) s | end error median (p90) s "
-             "| both within 0.2 s | within 0.5 s | no overlap |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| both within 0.2 s | within 0.5 s | no overlap |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in results:
         start, end = row["start_error_s"] or {}, row["end_error_s"] or {}
         lines.append(
             f"| {row['model']} | {row['set']} | {row['system']} | {row['scored']} / {row['words']} "
-            f"| {start.get('median', '-')} ({start.get('p90', '-')}) | {end.get('median', '-')} ({end.get('p90', '-')}) "
+            f"| {start.get('median', '-')} ({start.get('p90', '-')}) "
+            f"| {end.get('median', '-')} ({end.get('p90', '-')}) "
             f"| {row['within_0.2s']:.0%} | {row['within_0.5s']:.0%} | {row['no_overlap']:.1%} |"
         )
     return "\n".join(lines)

@@ -48,7 +48,7 @@ def load_audio(
         _check_duration(max(samples.shape[:2], default=0) / rate, max_duration_s)  # time is the longer side
         return to_model_input(samples, rate)
     try:
-        # 16 kHz mono float32 already, and checked block by block (_MonoResampler._append)
+        # 16 kHz mono float32 already, and checked block by block (MonoResampler._append)
         return _decode(source, max_duration_s, _Progress(on_progress))
     except _ProgressFailed as failed:
         raise failed.error from None
@@ -84,7 +84,7 @@ BLOCK_SAMPLES = 1 << 20  # decoded, mixed down and resampled this many samples (
 MAX_PREALLOCATED_S = 4 * 3600  # the most audio a declared length reserves room for up front
 
 
-class _MonoResampler:
+class MonoResampler:
     """Mixes blocks of [frames, channels] down to mono and resamples them to 16 kHz as they
     are decoded: memory stays that of the 16 kHz mono result, whatever the file's rate and
     channel count (a small FLAC of silence at 384 kHz x 8 channels would otherwise expand to
@@ -188,9 +188,11 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         return _decode_soundfile(source, max_duration_s, on_progress)
     except (soundfile.LibsndfileError, _NotForLibsndfile):
         # Containers libsndfile does not read (mp4/m4a, webm, aac, wma, ...): ffmpeg via PyAV.
+        from asrserve.audio.ffmpeg_decode import decode_ffmpeg
+
         if start is not None:
             source.seek(start)
-        return _decode_ffmpeg(source, max_duration_s, on_progress)
+        return decode_ffmpeg(source, max_duration_s, on_progress)
 
 
 def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
@@ -202,7 +204,7 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
                 # frame unless a Xing header gives it (a VBR file without one lost its last 75
                 # s), and at the first damaged frame without an error: ffmpeg reads MP3 whole.
                 raise _NotForLibsndfile
-            resampler = _MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
+            resampler = MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
             while True:
@@ -220,7 +222,7 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
     except (soundfile.LibsndfileError, AudioError, _NotForLibsndfile):
         raise
     except (RuntimeError, TypeError, ValueError) as error:
-        raise AudioError(f"could not decode audio: {_one_line(error)}") from None
+        raise AudioError(f"could not decode audio: {one_line(error)}") from None
 
 
 class _NotForLibsndfile(Exception):
@@ -230,7 +232,7 @@ class _NotForLibsndfile(Exception):
 SALVAGE_FRAMES = 4096
 
 
-def _read_up_to_the_damage(source, start: int | None, resampler: _MonoResampler) -> None:
+def _read_up_to_the_damage(source, start: int | None, resampler: MonoResampler) -> None:
     """A file that breaks off after blocks were decoded (a truncated upload: "flac decoder lost
     sync") keeps what it holds, as ffmpeg keeps a truncated MP3's frames: the failed block is
     read again in small steps up to the damage, through a new handle (the failed one cannot
@@ -246,119 +248,10 @@ def _read_up_to_the_damage(source, start: int | None, resampler: _MonoResampler)
         pass
 
 
-ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC and MP3 streams
-
-
-def _decode_ffmpeg(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
-    import av
-
-    try:
-        with av.open(source if not isinstance(source, Path) else str(source), mode="r") as container:
-            if not container.streams.audio:
-                raise AudioError("could not decode audio: the file has no audio stream")
-            stream = container.streams.audio[0]
-            # A damaged header can leave the stream without a rate (PyAV then has no attribute).
-            rate = getattr(stream, "sample_rate", None) or getattr(stream.codec_context, "sample_rate", 0)
-            # Microseconds, when the container says. Raw ADTS AAC and MP3 streams carry no length:
-            # ffmpeg estimates one from the first frames' bitrate (968 s for 30 s of VBR AAC).
-            exact = container.format.name not in ESTIMATED_LENGTH_FORMATS
-            mono = _MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress,
-                                  exact)
-            # Float samples at the stream's own rate and channel layout, mixed down and resampled
-            # to 16 kHz block by block. Frames in planar float are read as they are; any other
-            # goes through a converter to interleaved float. A frame whose format, layout or rate
-            # differs from the ones before (a damaged MP3 frame read as another kind) gets a
-            # converter of its own, to the same output.
-            blocks = _Blocks(mono, stream.layout.nb_channels)
-            converter, source_format = None, None
-            for frame in _decoded_frames(container, stream):
-                samples = _planar_float(frame, blocks.channels) if frame.sample_rate == rate else None
-                if converter is not None and (samples is not None or _format(frame) != source_format):
-                    blocks.add(converter.resample(None))  # what it holds goes first, in order
-                    converter = None
-                if samples is not None:
-                    blocks.add_samples(samples)
-                    continue
-                if converter is None:
-                    converter = av.AudioResampler(format="flt", layout=stream.layout, rate=rate)
-                    source_format = _format(frame)
-                blocks.add(converter.resample(frame))
-            if converter is not None:
-                blocks.add(converter.resample(None))
-            blocks.flush()
-            return mono.finish()
-    except AudioError:
-        raise
-    except (av.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as error:
-        message = f"could not decode audio: not a format libsndfile or ffmpeg reads ({_one_line(error)})"
-        raise AudioError(message) from None
-
-
-class _Blocks:
-    """Gathers decoded frames (an MP3 frame is 1152 samples) into blocks of about
-    BLOCK_SAMPLES before they are mixed down and resampled: frame by frame, that work cost 3×
-    what libsndfile takes for a whole MP3."""
-
-    def __init__(self, mono: _MonoResampler, channels: int):
-        self.mono = mono
-        self.channels = channels
-        self.pending: list[np.ndarray] = []  # [samples, channels] each
-        self.size = 0
-
-    def add(self, frames) -> None:
-        for frame in frames:
-            self.add_samples(frame.to_ndarray().reshape(-1, self.channels))  # interleaved float
-
-    def add_samples(self, samples: np.ndarray) -> None:
-        self.pending.append(samples)
-        self.size += samples.size
-        if self.size >= BLOCK_SAMPLES:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.mono.add(np.concatenate(self.pending))
-            self.pending, self.size = [], 0
-
-
-def _format(frame) -> tuple:
-    return frame.format.name, frame.layout.name, frame.sample_rate
-
-
-def _planar_float(frame, channels: int) -> np.ndarray | None:
-    """A frame already in planar float32 (what ffmpeg's MP3, AAC, Opus and Vorbis decoders give),
-    read from its planes without a conversion: [samples, channels]. Plane by plane, as many as
-    the layout has channels (PyAV's to_ndarray read a ninth plane of 7.1 audio and crashed)."""
-    if frame.format.name != "fltp" or frame.layout.nb_channels != channels:
-        return None
-    planes = [np.frombuffer(frame.planes[c], np.float32, frame.samples) for c in range(channels)]
-    return np.stack(planes, axis=1)
-
-
-def _decoded_frames(container, stream):
-    """The stream's frames, packet by packet. A packet that fails to decode (a file cut off
-    mid-frame, a damaged frame, the first ones included) is skipped, as the ffmpeg command
-    skips it; if no packet decodes, the file is not audio ffmpeg reads."""
-    import av
-
-    decoded_any, first_error = False, None
-    for packet in container.demux(stream):
-        try:
-            frames = packet.decode()
-        except av.FFmpegError as error:  # InvalidDataError mostly; a damaged AAC frame also gave EPERM
-            first_error = first_error or error
-            continue
-        for frame in frames:
-            decoded_any = True
-            yield frame
-    if not decoded_any and first_error is not None:
-        raise first_error
-
-
 def _check_duration(duration_s: float, max_duration_s: float | None) -> None:
     if max_duration_s is not None and duration_s > max_duration_s:
         raise AudioTooLongError(duration_s, max_duration_s)
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
     return " ".join(str(error).split()) or type(error).__name__

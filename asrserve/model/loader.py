@@ -139,16 +139,12 @@ def _download(repo_id: str, config: ModelConfig, hint: str | None) -> _Checkpoin
     from huggingface_hub import snapshot_download
 
     try:
-        path = Path(
-            snapshot_download(
-                repo_id,
-                revision=config.revision,
-                cache_dir=config.download_dir,
-                # The weights transformers loads (not a repo's other variants: large-v3 has its
-                # 3 GB again in float32), or a CTranslate2 model.bin.
-                allow_patterns=["*.json", "*.txt", "model.safetensors", "model-*-of-*.safetensors", "model.bin*"],
-            )
-        )
+        # The weights transformers loads (not a repo's other variants: large-v3 has its 3 GB again
+        # in float32), or a CTranslate2 model.bin.
+        path = Path(snapshot_download(
+            repo_id, revision=config.revision, cache_dir=config.download_dir,
+            allow_patterns=["*.json", "*.txt", "model.safetensors", "model-*-of-*.safetensors", "model.bin*"],
+        ))
         if not _hf_weight_files(path) and not ctranslate2.is_checkpoint_dir(path):
             path = Path(
                 snapshot_download(
@@ -166,23 +162,19 @@ def _download(repo_id: str, config: ModelConfig, hint: str | None) -> _Checkpoin
 
 
 def _hf_weight_files(path: Path) -> list[Path]:
-    """The weight files transformers would load: model.safetensors, or the shards its index
-    names, else the same for pytorch_model.bin. Other variants beside them are not loaded
-    (openai/whisper-large-v3 ships model.safetensors in float16 and the same weights again as
-    model.fp32-0000N-of-00002.safetensors). A folder with none of those names: every
-    *.safetensors in it, else every pytorch_model*.bin."""
+    """What transformers loads: model.safetensors or its index's shards, else pytorch_model.bin's;
+    not other variants beside them (large-v3 has its weights again in model.fp32-*.safetensors).
+    Without those names: every *.safetensors, else every pytorch_model*.bin."""
     if not (path / "config.json").is_file():
         return []
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        if (path / single).is_file():
-            return [path / single]
-        if (path / index).is_file():
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return [path / name]
+        if (index := path / f"{name}.index.json").is_file():
             try:
-                shards = json.loads((path / index).read_text())["weight_map"].values()
+                return [path / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
             except (ValueError, KeyError, AttributeError) as error:
-                raise ModelLoadError(f"{path / index} is not a weight index: {_one_line(error)}") from None
-            return [path / name for name in sorted(set(shards))]
+                raise ModelLoadError(f"{index} is not a weight index: {_one_line(error)}") from None
     return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
 
 
