@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "for clients that hard-code it")
     http.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                       help="accept only these bearer keys on /v1/* (/health, /metrics and /version stay open)")
+    http.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                      help="browser origins (https://app.example.com, or *) whose pages may call the API "
+                      "(CORS); default: none")
     http.add_argument("--preprocess-workers", type=int, default=None,
                       help="threads that decode, resample and split uploads (default: min(CPUs, 2))")
     http.add_argument("--max-audio-filesize-mb", type=float, default=25.0,
@@ -217,6 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server_config = ServerConfig(
             host=args.host, port=args.port, served_model_names=args.served_model_name, api_keys=args.api_key or [],
+            allowed_origins=args.allowed_origins or [],
             preprocess_workers=args.preprocess_workers, max_audio_filesize_mb=args.max_audio_filesize_mb,
             max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
             max_audio_in_flight_s=args.max_audio_in_flight_s,

@@ -196,6 +196,9 @@ class ServerConfig:
     served_model_names: list[str] | None = None
     # Bearer keys accepted on /v1/*; empty leaves the API open.
     api_keys: list[str] = field(default_factory=list)
+    # Origins whose browser pages may call the API (CORS: "*" for any); empty sends no CORS
+    # headers, so only pages the server serves itself (the playground) can read its answers.
+    allowed_origins: list[str] = field(default_factory=list)
     # Threads that decode, resample and split uploads; None: min(CPUs, 2).
     preprocess_workers: int | None = None
     max_audio_filesize_mb: float = 25.0

@@ -27,15 +27,41 @@ def server(tmpdir_of_server):
     # Keys from the environment, as deployments pass them (a flag would show in `ps`), and the
     # most talkative log level: nothing may print them.
     env = {"ASRSERVE_API_KEY": ",".join(KEYS), "ASRSERVE_LOG_LEVEL": "debug", "TMPDIR": str(tmpdir_of_server)}
-    process = ServerProcess(["--dtype", "float32"], env=env)
+    process = ServerProcess(["--dtype", "float32", "--allowed-origins", ALLOWED_ORIGIN], env=env)
     try:
         yield process.wait_ready()
     finally:
         process.stop()
 
 
-def _post(server, key: str | None, **kwargs) -> httpx.Response:
+ALLOWED_ORIGIN = "https://app.example"
+
+
+def test_browser_pages_of_allowed_origins_may_call_the_api(server, speech_files):
+    """CORS, for web apps on another origin (the openai SDK in a browser sends its key in a
+    header, so the browser asks first): the preflight is answered before the key is checked,
+    and answers carry the origin; other origins get no CORS headers, so their pages cannot read
+    the answers."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    url = f"{server.url}/v1/audio/transcriptions"
+    allowed = httpx.options(url, headers={"Origin": ALLOWED_ORIGIN, **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    clip = {"file": speech_files[1].read_bytes()}
+    response = _post(server, KEYS[0], files=clip, headers_extra={"Origin": ALLOWED_ORIGIN})
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    refused = _post(server, "sk-wrong", files=clip, headers_extra={"Origin": ALLOWED_ORIGIN})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    other = httpx.options(url, headers={"Origin": "https://elsewhere.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+    response = _post(server, KEYS[0], files=clip, headers_extra={"Origin": "https://elsewhere.example"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def _post(server, key: str | None, headers_extra: dict | None = None, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    headers |= headers_extra or {}
     return httpx.post(f"{server.url}/v1/audio/transcriptions", headers=headers, timeout=120, **kwargs)
 
 

@@ -648,3 +648,15 @@ def test_metrics_after_completed_streamed_and_disconnected_requests(server, clie
     )
     assert metrics["asrserve_preprocess_queue_depth"] == 0
     assert metrics["asrserve_http_requests_waiting"] == 0
+
+
+def test_no_cors_headers_without_allowed_origins(server):
+    """By default only the server's own pages (the playground) may read its answers: a page of
+    another origin gets no CORS headers (--allowed-origins opens the API to browsers)."""
+    preflight = httpx.options(f"{server.url}/v1/audio/transcriptions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert "access-control-allow-origin" not in preflight.headers
+    models = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
+                                                            "Authorization": f"Bearer {API_KEYS[0]}"})
+    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from asrserve import __version__
@@ -48,6 +49,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app = FastAPI(title="asrserve", version=__version__, lifespan=lifespan)
     app.state.asr = state
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    if config.allowed_origins:
+        # Outermost: a browser's preflight (OPTIONS, no key yet) is answered here, before auth.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600,
+        )
     add_error_handlers(app)
     _add_operations_routes(app, state)
     add_models_routes(app, state)
