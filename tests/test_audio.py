@@ -185,6 +185,20 @@ def test_a_damaged_frame_is_skipped_as_ffmpeg_skips_it(speech_files, tmp_path, s
         assert abs(len(load_audio(bytes(damaged))) - len(decoded) // 4) < 0.1 * SAMPLE_RATE, seed
 
 
+def test_an_mp3_joined_from_mono_and_stereo_files_is_read_whole():
+    """MP3 files joined byte for byte (cat a.mp3 b.mp3: radio rips, joined recordings) change
+    channels and rate mid-stream. Every frame is converted to the layout the file opened with:
+    the stereo part came out twice as long at half its pitch, or the upload was refused."""
+    require_ffmpeg()
+    tone = lambda seconds, rate: 0.3 * np.sin(2 * np.pi * 440 * np.arange(int(seconds * rate)) / rate)  # noqa: E731
+    parts = [_ffmpeg(_wav_bytes(tone(3, 44_100), 44_100), "-ac", "1", "-f", "mp3"),
+             _ffmpeg(_wav_bytes(tone(3, 44_100), 44_100), "-ac", "2", "-f", "mp3"),
+             _ffmpeg(_wav_bytes(tone(3, 16_000), 16_000), "-ac", "1", "-f", "mp3")]
+    for joined in (b"".join(parts), b"".join(parts[::-1])):
+        by_ffmpeg = len(_ffmpeg(joined, "-ac", "1", "-ar", "16000", "-f", "f32le")) // 4
+        assert abs(len(load_audio(joined)) - by_ffmpeg) < 0.05 * SAMPLE_RATE
+
+
 def test_wav_with_zero_samples(tmp_path):
     path = tmp_path / "empty.wav"
     soundfile.write(path, np.zeros(0, np.float32), SR)

@@ -13,6 +13,7 @@ import openai
 import pytest
 import soxr
 import websockets
+import websockets.exceptions
 
 from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES
 from tests.conftest import SENTENCES
@@ -307,8 +308,17 @@ def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
             async with websockets.connect(url + "&model=gpt-realtime", additional_headers={"Authorization": f"Bearer {API_KEY}"}):
                 pass
         assert wrong_model.value.response.status_code == 404
-        # a browser's key: the subprotocol, never echoed back
-        browser = await websockets.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{API_KEY}"])
+        # A page of another origin may not open a session (browsers apply no CORS to
+        # WebSockets); the server's own pages (the playground) may, and clients without Origin.
+        with pytest.raises(websockets.exceptions.InvalidStatus) as foreign:
+            async with websockets.connect(url, origin="https://elsewhere.example",
+                                          additional_headers={"Authorization": f"Bearer {API_KEY}"}):
+                pass
+        assert foreign.value.response.status_code == 403
+        assert json.loads(foreign.value.response.body)["error"]["code"] == "origin_not_allowed"
+        # a browser's key: the subprotocol, never echoed back; a page of the server's own origin
+        browser = await websockets.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{API_KEY}"],
+                                           origin=server.url)
         connected = time.monotonic()
         assert browser.subprotocol == "realtime"
         sessions = [browser] + [

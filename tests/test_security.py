@@ -3,10 +3,14 @@ anywhere, uploads leave no temporary files, and no request field reaches the fil
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 
 import httpx
 import pytest
+import websockets
+import websockets.exceptions
 
 from tests.server_utils import ServerProcess
 from tests.test_server import _assert_error
@@ -57,6 +61,19 @@ def test_browser_pages_of_allowed_origins_may_call_the_api(server, speech_files)
     assert "access-control-allow-origin" not in other.headers
     response = _post(server, KEYS[0], files=clip, headers_extra={"Origin": "https://elsewhere.example"})
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+    # Live sessions follow the same list (browsers apply no CORS to WebSockets).
+    url = server.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+
+    async def connect(origin: str) -> int:
+        try:
+            async with websockets.connect(url, origin=origin, additional_headers=auth) as session:
+                return 101 if json.loads(await session.recv())["type"] == "session.created" else 0
+        except websockets.exceptions.InvalidStatus as refused:
+            return refused.response.status_code
+
+    assert asyncio.run(connect(ALLOWED_ORIGIN)) == 101
+    assert asyncio.run(connect("https://elsewhere.example")) == 403
 
 
 def _post(server, key: str | None, headers_extra: dict | None = None, **kwargs) -> httpx.Response:

@@ -34,7 +34,10 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
             # goes through a converter to interleaved float. A frame whose format, layout or rate
             # differs from the ones before (a damaged MP3 frame read as another kind) gets a
             # converter of its own, to the same output.
-            blocks = _Blocks(mono, stream.layout.nb_channels)
+            # The layout at open: PyAV's stream.layout follows the decoder, whose layout changes
+            # with a file's frames (MP3s joined from mono and stereo ones).
+            layout = stream.layout
+            blocks = _Blocks(mono, layout.nb_channels)
             converter, source_format = None, None
             for frame in _decoded_frames(container, stream):
                 samples = _planar_float(frame, blocks.channels) if frame.sample_rate == rate else None
@@ -45,7 +48,7 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
                     blocks.add_samples(samples)
                     continue
                 if converter is None:
-                    converter = av.AudioResampler(format="flt", layout=stream.layout, rate=rate)
+                    converter = av.AudioResampler(format="flt", layout=layout.name, rate=rate)
                     source_format = _format(frame)
                 blocks.add(converter.resample(frame))
             if converter is not None:

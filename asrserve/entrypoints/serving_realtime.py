@@ -16,6 +16,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
@@ -75,6 +76,7 @@ def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
     @app.websocket("/v1/realtime")
     async def realtime_endpoint(websocket: WebSocket) -> None:
         try:
+            _check_origin(websocket, state)
             subprotocol = _authorize(websocket, state)
             _check_query(websocket, state)
             state.check_ready()
@@ -98,6 +100,21 @@ def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
             state.metrics.realtime_sessions.dec()
 
     return realtime
+
+
+def _check_origin(websocket: WebSocket, state: ServerState) -> None:
+    """A browser page may open a session only from the server's own origin (the playground) or
+    one of --allowed-origins, as CORS rules its HTTP calls: browsers apply no CORS to
+    WebSockets, so any page could otherwise hold live sessions and read their transcripts.
+    Clients that are not browsers send no Origin."""
+    origin = websocket.headers.get("origin")
+    allowed = state.config.allowed_origins
+    if origin is None or "*" in allowed or origin in allowed:
+        return
+    if urlsplit(origin).netloc == websocket.headers.get("host"):
+        return
+    raise APIError(403, f"pages of {origin} may not open live sessions: start the server with "
+                   "--allowed-origins to allow them", type="invalid_request_error", code="origin_not_allowed")
 
 
 def _authorize(websocket: WebSocket, state: ServerState) -> str | None:

@@ -245,19 +245,21 @@ class _CleanupStreamingResponse(StreamingResponse):
         self.shutting_down = shutting_down
 
     async def __call__(self, scope, receive, send) -> None:
-        started = False
+        started = ended = done = False
 
         async def send_and_note(message) -> None:
-            nonlocal started
+            nonlocal started, ended, done
             started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body", False))
+            done = done or b"data: [DONE]" in message.get("body", b"")
             await send(message)
 
         try:
             await super().__call__(scope, receive, send_and_note)
         except asyncio.CancelledError:
-            if not (started and self.shutting_down()):
+            if not (started and self.shutting_down()) or ended:
                 raise  # (before the headers, the server answers 503 itself)
-            last = _sse(shutting_down_error().body()).encode()
+            last = b"" if done else _sse(shutting_down_error().body()).encode()  # none after [DONE]
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             self.cleanup()

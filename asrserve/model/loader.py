@@ -173,7 +173,7 @@ def _hf_weight_files(path: Path) -> list[Path]:
         if (index := path / f"{name}.index.json").is_file():
             try:
                 return [path / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-            except (ValueError, KeyError, AttributeError) as error:
+            except (ValueError, KeyError, AttributeError, TypeError) as error:
                 raise ModelLoadError(f"{index} is not a weight index: {_one_line(error)}") from None
     return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
 
