@@ -91,6 +91,39 @@ def test_a_decode_that_stopped_early_is_continued_from_its_last_segment(tiny_en_
     assert plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=False) is None
 
 
+def test_a_loop_cut_short_is_continued_after_its_last_segment(tiny_en_engine):
+    """An attempt the loop check ended (fallback.is_looping) was reported as stopping: if every
+    temperature failed that way and one was kept, the seek rule took it for the piece's natural
+    end and the speech after the repeats was dropped (a sentence said three times, then 11 s
+    more). It is read again from the last closed segment, as text cut off by the token limit."""
+    tokenizer = tiny_en_engine.tokenizer
+    parts = [0.0, " We went home.", 2.4, 2.4, " We went home.", 4.8, 4.8, " We went home.", 7.2]
+    closed = _piece(tokenizer, parts, finish_reason="repetition")
+    plan = plan_continuation(tokenizer, closed, _loud(), depth=0, user_prompt=None, timestamps=True)
+    assert plan is not None and plan.reason == "repetition" and plan.seek_s == pytest.approx(7.2)
+    assert plan.prompt is None  # looping text is no prompt: the rest stopped after its first words
+    open_loop = _piece(tokenizer, [*parts, 7.2, " We went"], finish_reason="repetition")
+    plan = plan_continuation(tokenizer, open_loop, _loud(), depth=0, user_prompt=None, timestamps=True)
+    assert plan is not None and plan.seek_s == pytest.approx(7.2)
+    assert tokenizer.decode(open_loop.token_ids).count("We went home.") == 3  # the open text goes
+
+
+def test_a_continuation_opening_on_a_long_pause_starts_at_the_sound_after_it(tiny_en_engine):
+    """Whisper puts a window's first timestamp in its first second: a continuation opening on
+    12 s of pause put the next sentence's segment, and its first word, 11 s early. It starts
+    0.3 s before the sound after a pause of 2 s or more; a short pause is kept."""
+    tokenizer = tiny_en_engine.tokenizer
+    parts = [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0]
+    for pause_s, starts_at in ((10.0, 14.7), (1.0, 5.0)):
+        samples = _loud()
+        samples[5 * SAMPLE_RATE: int((5 + pause_s) * SAMPLE_RATE)] = 0
+        piece = _piece(tokenizer, parts)
+        plan = plan_continuation(tokenizer, piece, samples, depth=0, user_prompt=None, timestamps=True)
+        assert plan.seek_s == pytest.approx(5.0) and piece.duration_s == pytest.approx(5.0)
+        assert plan.result.offset_s == pytest.approx(starts_at, abs=0.01), pause_s
+        assert len(plan.samples) == len(samples) - round(starts_at * SAMPLE_RATE)
+
+
 def test_text_cut_off_by_the_token_limit_is_read_again(tiny_en_engine):
     tokenizer = tiny_en_engine.tokenizer
     piece = _piece(tokenizer, [0.0, " One two three.", 3.0, 3.0, " Four five six"], finish_reason="length")

@@ -109,7 +109,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     finished: bool
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    finish_reason: str | None = None  # "stop", "length", "repetition" (a loop cut short), "abort" or "error"
     language: str | None = None  # set once known (given or detected)
     error: str | None = None  # why the engine refused the request (finish_reason "error")
     # Every token sent so far for this request is void; this output brings the whole decode
@@ -126,7 +126,7 @@ class Attempt:
     logprobs: list[float]
     summary: DecodeSummary
     alignment_scores: list
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "repetition"
 
 
 class RequestStatus(enum.Enum):
@@ -178,7 +178,7 @@ class Request:
         self._num_counted = self._num_text_tokens = 0
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.finish_reason: str | None = None  # "stop", "length", "repetition" or "abort"
 
         # Decoder tokens: the prompt (which grows by language and task tokens once the language
         # is detected) and the sampled outputs. K/V of the first num_computed_tokens are cached.

@@ -190,8 +190,8 @@ class Scheduler:
             return True, self._complete(request, "stop")
         if request.at_length_limit(self.max_model_len, self.tokenizer.special.eot):
             return True, self._complete(request, "length")
-        if is_looping(request, self.tokenizer):
-            return True, self._complete(request, "stop")
+        if is_looping(request, self.tokenizer):  # cut short: if kept, the rest is read again
+            return True, self._complete(request, "repetition")
         if request.streams_tokens or request.sends_first_token:
             request.text_started |= token_id < self.tokenizer.special.eot
             return False, [RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)]

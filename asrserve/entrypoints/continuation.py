@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from asrserve.audio.chunking import has_sound
+from asrserve.audio.chunking import first_sound, has_sound
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -36,6 +36,13 @@ IMPLAUSIBLE_SEGMENT_S = 6.0
 IMPLAUSIBLE_TOKENS_PER_S = 1.0
 SECONDS_PER_TOKEN = 0.35  # a generous time for one spoken token, for segments cut short
 MAX_CONTINUATIONS = 8  # per piece: one that keeps stopping early cannot loop for ever
+# A continuation whose audio opens on a pause this long starts this long before the sound
+# after it instead (the padding server VAD keeps before speech).
+PAUSE_SKIPPED_S = 2.0
+PAUSE_KEPT_S = 0.3
+# Decodes that ended before their text did: the token limit ran out, or a loop was cut short
+# (fallback.is_looping; the speaker may really have said it three times). The rest is read again.
+CUT_SHORT = ("length", "repetition")
 # Previous text is not carried across a decode that needed a high temperature (openai/whisper
 # resets its prompt there too: such text is more likely wrong than useful).
 MAX_PROMPT_TEMPERATURE = 0.5
@@ -55,7 +62,7 @@ class Continuation:
     """The rest of a piece: where it starts, its audio, and what it is decoded with."""
 
     seek_s: float  # from the start of the parent piece
-    reason: str  # "early_stop", "length" or "implausible_segment": for logs and tests
+    reason: str  # "early_stop", "length", "repetition" or "implausible_segment": for logs and tests
     prompt: str | None  # the parent's text, as previous text
     samples: np.ndarray  # the parent's audio from seek_s on
     result: PieceResult  # where its outputs go: offset and language follow the parent's
@@ -76,7 +83,7 @@ def plan_continuation(
     language: the job's, for a piece that has none of its own; timestamps: whether the piece
     decoded with them. Without them there is nothing to seek by: a stray timestamp token after
     <|notimestamps|> (random weights write them) once sent a json request past its 224 tokens."""
-    if depth >= MAX_CONTINUATIONS or piece.is_silence or piece.finish_reason not in ("stop", "length"):
+    if depth >= MAX_CONTINUATIONS or piece.is_silence or piece.finish_reason not in ("stop", *CUT_SHORT):
         return None
     eot = tokenizer.special.eot
     if not timestamps:
@@ -91,6 +98,7 @@ def plan_continuation(
     seek_sample = round(seek_s * SAMPLE_RATE)
     if reason == "early_stop" and not has_sound(samples[seek_sample:], samples):
         return None
+    start_sample = _past_the_pause(samples, seek_sample)
     del piece.token_ids[keep:]
     del piece.logprobs[keep:]
     if closing_time is not None:  # an implausible first segment keeps its text, ending where we seek
@@ -98,13 +106,27 @@ def plan_continuation(
     piece.duration_s = seek_s
     temperature = piece.summary.temperature if piece.summary else 0.0
     text = tokenizer.decode([token for token in piece.token_ids if token < eot]).strip()
-    prompt = text if text and temperature <= MAX_PROMPT_TEMPERATURE else user_prompt
-    rest = samples[seek_sample:]
+    # Not text that looped either: conditioned on three copies of a sentence, the rest stopped
+    # after its first words.
+    carried = text and temperature <= MAX_PROMPT_TEMPERATURE and reason != "repetition"
+    prompt = text if carried else user_prompt
+    rest = samples[start_sample:]
     result = PieceResult(
-        piece.offset_s + seek_sample / SAMPLE_RATE, len(rest) / SAMPLE_RATE, language=piece.language or language,
+        piece.offset_s + start_sample / SAMPLE_RATE, len(rest) / SAMPLE_RATE, language=piece.language or language,
         is_continuation=True,
     )
     return Continuation(seek_s, reason, prompt, rest, result)
+
+
+def _past_the_pause(samples: np.ndarray, seek_sample: int) -> int:
+    """Where the continuation starts: the seek point, or, when a long pause follows it, just
+    before the sound after the pause. Whisper places a window's first timestamp in its first
+    second, so a window opening on 12 s of pause put the next sentence's segment (and its first
+    word) at the pause's start."""
+    sound = first_sound(samples[seek_sample:], samples)
+    if sound is None or sound < PAUSE_SKIPPED_S * SAMPLE_RATE:
+        return seek_sample
+    return seek_sample + sound - round(PAUSE_KEPT_S * SAMPLE_RATE)
 
 
 def settled_length(tokenizer: WhisperTokenizer, token_ids: list[int]) -> int:
@@ -169,9 +191,11 @@ def _seek_point(
         # Text left open when the tokens ran out is cut mid-sentence: read it again. Text left
         # open by <|endoftext|> is the piece's last sentence running to its end (a piece ends at
         # a cut, not inside speech that goes on, as openai/whisper's windows do): keep it.
-        if piece.finish_reason == "length" and segments:
-            return last_end, keep, "length", None
+        if piece.finish_reason in CUT_SHORT and segments:
+            return last_end, keep, piece.finish_reason, None
         return None
+    if piece.finish_reason == "repetition" and segments and piece.duration_s - last_end >= MIN_REMAINDER_S:
+        return last_end, keep, "repetition", None
     if piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S and segments:
         return last_end, keep, "early_stop", None
     return None

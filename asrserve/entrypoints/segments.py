@@ -155,13 +155,18 @@ def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
         words = segment.words
         for i, word in enumerate(words):
             if word.end - word.start > max_duration:
-                if word.word[-1] in SENTENCE_END or i == len(words) - 1:
+                # A segment's first word swallowed the pause before it (openai/whisper keeps its
+                # end too); a sentence's last word, the pause after it.
+                if i and (word.word[-1] in SENTENCE_END or i == len(words) - 1):
                     word.end = word.start + max_duration
                 else:
                     word.start = word.end - max_duration
+        # Each word keeps room for those after it: words piled up at the segment's end used to
+        # start before the previous one ended.
+        step = min(MIN_DURATION_S, (segment.end - segment.start) / max(1, len(words)))
         previous_end = segment.start
-        for word in words:
-            word.start = min(max(word.start, previous_end), segment.end - MIN_DURATION_S)
-            word.end = min(max(word.end, word.start + MIN_DURATION_S), segment.end)
-            word.start = max(segment.start, min(word.start, word.end - MIN_DURATION_S))
+        for i, word in enumerate(words):
+            latest_end = segment.end - (len(words) - 1 - i) * step
+            word.start = min(max(word.start, previous_end), latest_end - step)
+            word.end = min(max(word.end, word.start + step), latest_end)
             previous_end = word.end
