@@ -65,14 +65,18 @@ def test_browser_pages_of_allowed_origins_may_call_the_api(server, speech_files)
     url = server.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
 
-    async def connect(origin: str) -> int:
+    async def connect(origin: str, browser_key: str | None = None) -> int:
+        # (the key in the header, or as a browser sends it: a subprotocol; neither may be logged)
+        kwargs = {"subprotocols": ["realtime", f"openai-insecure-api-key.{browser_key}"]} if browser_key else {
+            "additional_headers": auth}
         try:
-            async with websockets.connect(url, origin=origin, additional_headers=auth) as session:
+            async with websockets.connect(url, origin=origin, **kwargs) as session:
                 return 101 if json.loads(await session.recv())["type"] == "session.created" else 0
         except websockets.exceptions.InvalidStatus as refused:
             return refused.response.status_code
 
     assert asyncio.run(connect(ALLOWED_ORIGIN)) == 101
+    assert asyncio.run(connect(ALLOWED_ORIGIN, browser_key=KEYS[1])) == 101
     assert asyncio.run(connect("https://elsewhere.example")) == 403
 
 

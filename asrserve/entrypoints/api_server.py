@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from asrserve import __version__
 from asrserve.config import EngineConfig, ServerConfig
+from asrserve.entrypoints.auth import redact_keys_in_logs
 from asrserve.entrypoints.error_handlers import add_error_handlers
 from asrserve.entrypoints.middleware import MetricsMiddleware
 from asrserve.entrypoints.server_state import ServerState
@@ -114,6 +115,7 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
             ws_max_size=2 * MAX_EVENT_BYTES,
         )
     )
+    redact_keys_in_logs()  # uvicorn.Config has set logging up
     state.uvicorn_server = server
     display_host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
     logger.info(

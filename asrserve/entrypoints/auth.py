@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Mapping
 
 from asrserve.entrypoints.protocol import APIError
@@ -35,3 +36,25 @@ def authorize(headers: Mapping[str, str], api_key_digests: list[bytes]) -> None:
             401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+class _RedactKeys(logging.Filter):
+    """Hides the headers that carry a key (Authorization, a browser's key subprotocol) from
+    the WebSocket handshake's debug log, where the websockets library writes every header as
+    "< name: value"."""
+
+    SECRET_HEADERS = {"authorization", "sec-websocket-protocol"}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 2 and str(args[0]).lower() in self.SECRET_HEADERS:
+            record.args = (args[0], "<redacted>")
+        return True
+
+
+def redact_keys_in_logs() -> None:
+    """After uvicorn has configured logging: its WebSocket protocol logs through uvicorn.error."""
+    for name in ("uvicorn.error", "websockets.server", "websockets.client"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactKeys) for f in logger.filters):
+            logger.addFilter(_RedactKeys())
