@@ -155,9 +155,7 @@ def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
         words = segment.words
         for i, word in enumerate(words):
             if word.end - word.start > max_duration:
-                # A segment's first word swallowed the pause before it (openai/whisper keeps its
-                # end too); a sentence's last word, the pause after it.
-                if i and (word.word[-1] in SENTENCE_END or i == len(words) - 1):
+                if word.word[-1] in SENTENCE_END or i == len(words) - 1:
                     word.end = word.start + max_duration
                 else:
                     word.start = word.end - max_duration
