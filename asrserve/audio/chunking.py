@@ -136,15 +136,11 @@ def split_audio(audio: np.ndarray, max_samples: int = N_SAMPLES) -> list[AudioPi
 def has_sound(region: np.ndarray, reference: np.ndarray) -> bool:
     """Whether `region` has a 100 ms window at least a tenth as loud (RMS) as the loud part of
     `reference` (its 90th-percentile window): speech rather than room noise or silence."""
-    region_rms = _window_rms(region)
-    reference_rms = _window_rms(reference)
-    if not len(region_rms) or not len(reference_rms):
-        return False
-    return bool(region_rms.max() >= 0.1 * np.percentile(reference_rms, 90) and region_rms.max() > 1e-4)
+    return first_sound(region, reference) is not None
 
 
 def first_sound(region: np.ndarray, reference: np.ndarray) -> int | None:
-    """Offset in `region` of its first 100 ms window that has_sound would count (None: none)."""
+    """Offset in `region` of its first 100 ms window that has_sound counts (None: none)."""
     region_rms = _window_rms(region)
     reference_rms = _window_rms(reference)
     if not len(region_rms) or not len(reference_rms):

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from asrserve.audio.chunking import first_sound, has_sound
+from asrserve.audio.chunking import first_sound
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -96,9 +96,10 @@ def plan_continuation(
     if seek_s < MIN_PROGRESS_S or piece.duration_s - seek_s < MIN_REMAINDER_S:
         return None
     seek_sample = round(seek_s * SAMPLE_RATE)
-    if reason == "early_stop" and not has_sound(samples[seek_sample:], samples):
+    sound = first_sound(samples[seek_sample:], samples)  # samples past the seek point
+    if reason == "early_stop" and sound is None:
         return None
-    start_sample = _past_the_pause(samples, seek_sample)
+    start_sample = _past_the_pause(seek_sample, sound)
     del piece.token_ids[keep:]
     del piece.logprobs[keep:]
     if closing_time is not None:  # an implausible first segment keeps its text, ending where we seek
@@ -118,12 +119,11 @@ def plan_continuation(
     return Continuation(seek_s, reason, prompt, rest, result)
 
 
-def _past_the_pause(samples: np.ndarray, seek_sample: int) -> int:
-    """Where the continuation starts: the seek point, or, when a long pause follows it, just
-    before the sound after the pause. Whisper places a window's first timestamp in its first
-    second, so a window opening on 12 s of pause put the next sentence's segment (and its first
-    word) at the pause's start."""
-    sound = first_sound(samples[seek_sample:], samples)
+def _past_the_pause(seek_sample: int, sound: int | None) -> int:
+    """Where the continuation starts: the seek point, or, when a long pause follows it (the
+    first sound `sound` samples later), just before that sound. Whisper places a window's first
+    timestamp in its first second, so a window opening on 12 s of pause put the next sentence's
+    segment (and its first word) at the pause's start."""
     if sound is None or sound < PAUSE_SKIPPED_S * SAMPLE_RATE:
         return seek_sample
     return seek_sample + sound - round(PAUSE_KEPT_S * SAMPLE_RATE)
@@ -194,7 +194,7 @@ def _seek_point(
         if piece.finish_reason in CUT_SHORT and segments:
             return last_end, keep, piece.finish_reason, None
         return None
-    if piece.finish_reason == "repetition" and segments and piece.duration_s - last_end >= MIN_REMAINDER_S:
+    if piece.finish_reason == "repetition" and segments:  # (plan_continuation checks what remains)
         return last_end, keep, "repetition", None
     if piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S and segments:
         return last_end, keep, "early_stop", None
