@@ -289,3 +289,35 @@ def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(
         process.stop()
 
 
+
+
+def test_an_install_that_cannot_load_silero_vad_answers_long_uploads_with_an_error(
+    minute_of_speech, speech_files, tmp_path
+):
+    """silero-vad missing, damaged or of a version we do not read: a long upload under the
+    default voice-activity cut used to wait forever (the error stayed in the preprocessing pool's
+    future, the request held its slot). Now it gets a 500 saying what to do, at once; the cut at
+    quiet points and audio of 30 s or less (one piece, no VAD) still transcribe."""
+    shadow = tmp_path / "silero_vad"  # a package of that name without its weights, found first
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    process = ServerProcess(["--dtype", "float32"], env={"PYTHONPATH": pythonpath})
+    try:
+        process.wait_ready()
+        started = time.monotonic()
+        error = _assert_error(_transcribe(process, minute_of_speech), 500, code="vad_unavailable")
+        assert time.monotonic() - started < 30
+        assert "pip install silero-vad" in error["message"] and "chunking_strategy=energy" in error["message"]
+        # Streamed too: the VAD is needed before the first piece, so before the stream begins.
+        _assert_error(_transcribe(process, minute_of_speech, stream="true"), 500, code="vad_unavailable")
+        energy = _transcribe(process, minute_of_speech, chunking_strategy="energy")
+        assert energy.status_code == 200, energy.text
+        assert all(word in energy.json()["text"].lower() for word in ("stella", "lemons", "sunset")), energy.text
+        short = _transcribe(process, speech_files[1])
+        assert short.status_code == 200 and "fox" in short.json()["text"].lower(), short.text
+        assert not any(engine_idle(process).values())
+        assert process.metrics()["asrserve_http_requests_waiting"] == 0
+        assert "Silero VAD is unavailable" in process.logs()
+    finally:
+        process.stop()

@@ -214,3 +214,13 @@ def test_missing_package_names_the_install(monkeypatch):
     monkeypatch.setattr(vad, "_PACKAGE", "silero_vad_is_not_installed")
     with pytest.raises(ImportError, match="pip install silero-vad"):
         vad.SileroVAD()
+
+
+def test_damaged_weights_are_a_vad_unavailable_error(tmp_path):
+    """What the server turns into its 500 vad_unavailable (and live sessions into a refusal),
+    rather than a torch error deep in a preprocessing thread."""
+    damaged = tmp_path / "silero_vad.jit"
+    damaged.write_bytes(b"PK\x03\x04 not a TorchScript archive")
+    with pytest.raises(vad.VADUnavailableError, match="could not read Silero VAD's weights"):
+        vad.SileroVAD(damaged)
+    assert issubclass(vad.VADUnavailableError, ImportError)  # what callers that go on without it catch

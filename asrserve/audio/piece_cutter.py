@@ -26,7 +26,9 @@ class PieceCutter:
         self.strategy = strategy
         self.sent: list[tuple[int, int]] = []  # (offset, length) of every piece given out
         self._quiet_points = QuietPointCut() if strategy.type == "energy" else None
-        self._vad = None if self._quiet_points is not None else _IncrementalVad(strategy)
+        # Loaded once audio passes 30 s: a shorter file is one piece and needs no VAD, so it is
+        # transcribed even where Silero cannot be loaded (vad.VADUnavailableError otherwise).
+        self._vad_spans: _IncrementalVad | None = None
 
     def feed(self, samples: np.ndarray) -> list[AudioPiece]:
         """`samples`: 16 kHz mono float32 audio read so far, a longer prefix at every call."""
@@ -34,7 +36,7 @@ class PieceCutter:
             return []  # it may yet be one piece of 30 s or less
         if self._quiet_points is not None:
             return self._send(self._quiet_points.cut(samples, final=False))
-        spans = self._vad.spans(samples, final=False)
+        spans = self._vad().spans(samples, final=False)
         if spans is None:
             return []
         return self._send(_pieces(samples, spans[len(self.sent) : len(spans) - SPANS_LEFT_OPEN]))
@@ -47,11 +49,16 @@ class PieceCutter:
             return self._send([AudioPiece(0, samples)])
         if self._quiet_points is not None:
             return self._send(self._quiet_points.cut(samples, final=True))
-        spans = self._vad.spans(samples, final=True)
+        spans = self._vad().spans(samples, final=True)
         sent = [(start, end - start) for start, end in spans[: len(self.sent)]]
         if sent != self.sent:  # a bug in the locality piece_spans relies on: fail, never send other text
             raise RuntimeError(f"pieces sent early {self.sent} differ from the whole audio's {sent}")
         return self._send(_pieces(samples, spans[len(self.sent) :]))
+
+    def _vad(self) -> _IncrementalVad:
+        if self._vad_spans is None:
+            self._vad_spans = _IncrementalVad(self.strategy)
+        return self._vad_spans
 
     def _send(self, pieces: list[AudioPiece]) -> list[AudioPiece]:
         self.sent += [(piece.offset, len(piece.samples)) for piece in pieces]

@@ -54,16 +54,22 @@ DEFAULT_MIN_SPEECH_MS = 100
 _INSTALL_HINT = "server_vad chunking needs the Silero VAD model: pip install silero-vad"
 
 
+class VADUnavailableError(ImportError):
+    """Silero VAD cannot be loaded in this install: the package or its weights are missing,
+    unreadable, or of a version whose model this module does not read. An ImportError, as a
+    missing package is: callers that can go on without the VAD catch that."""
+
+
 def _weights_path() -> Path:
     # find_spec on the top-level package does not import it: importing silero_vad (or
     # importlib.resources on silero_vad.data) would run its model.py, which calls
     # torch.set_num_threads(1) for the whole process.
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(_INSTALL_HINT)
+        raise VADUnavailableError(_INSTALL_HINT)
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "silero_vad.jit"
     if not path.is_file():
-        raise ImportError(f"{_INSTALL_HINT} (its {path} is missing)")
+        raise VADUnavailableError(f"{_INSTALL_HINT} (its {path} is missing)")
     return path
 
 
@@ -76,20 +82,32 @@ class SileroVAD:
 
         with warnings.catch_warnings():  # torch 2.10+ deprecates TorchScript; we only read its tensors
             warnings.simplefilter("ignore", DeprecationWarning)
-            jit = torch.jit.load(str(weights or _weights_path()), map_location="cpu")
+            path = weights or _weights_path()
+            try:
+                jit = torch.jit.load(str(path), map_location="cpu")
+            except Exception as error:  # a damaged or truncated install
+                raise VADUnavailableError(f"could not read Silero VAD's weights {path}: {error}") from error
         state = {
             name[len("_model.") :]: tensor.detach().clone().float()
             for name, tensor in jit.state_dict().items()
             if name.startswith("_model.")
         }
         del jit  # we keep only the 16 kHz model's tensors
+        try:
+            self._read(state)
+        except KeyError as error:  # another version's model, with other names
+            raise VADUnavailableError(f"this silero-vad version is not supported: its model has no {error}") from None
+
+    def _read(self, state: dict) -> None:
+        import torch
+
         # The STFT is a conv whose rows are a periodic-Hann-windowed DFT (cos and sin rows);
         # rfft of the windowed frames gives the same magnitudes with far fewer operations.
         basis = state["stft.forward_basis_buffer"][:, 0]  # [258, 256]
         self.hann = torch.hann_window(256, periodic=True)
         dft = torch.fft.rfft(torch.eye(256) * self.hann, dim=0)  # column n: frame sample n
         if not torch.allclose(torch.cat([dft.real, dft.imag]), basis, atol=1e-5):
-            raise RuntimeError("unexpected Silero VAD STFT basis: this silero-vad version is not supported")
+            raise VADUnavailableError("unexpected Silero VAD STFT basis: this silero-vad version is not supported")
         # The encoder convs (kernel 3, padding 1) as matrices over [tap, in channel] rows.
         self.convs = []
         for i, stride in enumerate((1, 2, 2, 1)):

@@ -27,6 +27,15 @@ def engine_dead_error(error: EngineDeadError) -> APIError:
     return APIError(503, f"the engine stopped: {error}", type="server_error", code="engine_dead")
 
 
+def vad_unavailable_error(error: Exception) -> APIError:
+    """Audio over 30 s cut at voice activity (the default) where this install cannot load Silero
+    VAD: the operator's to mend; the client can still ask for the cut at quiet points."""
+    return APIError(
+        500, f"this server cannot cut long audio at voice activity: {error}. Send "
+        "chunking_strategy=energy to cut it at quiet points instead", type="server_error", code="vad_unavailable",
+    )
+
+
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:

@@ -22,7 +22,9 @@ import numpy as np
 from asrserve.audio.chunking import DEFAULT_CHUNKING, AudioPiece, ChunkingStrategy
 from asrserve.audio.decode import load_audio
 from asrserve.audio.piece_cutter import PieceCutter
+from asrserve.audio.vad import VADUnavailableError
 from asrserve.config import SAMPLE_RATE
+from asrserve.entrypoints.error_handlers import vad_unavailable_error
 
 
 def default_preprocess_workers() -> int:
@@ -157,7 +159,7 @@ class PreprocessPool:
             except RuntimeError:  # the loop has closed: the server is gone
                 audio.cancel()
 
-        cutter = PieceCutter(strategy)
+        cutter: PieceCutter
 
         def on_progress(samples: np.ndarray, declared_s: float) -> None:
             if audio._cancelled.is_set():
@@ -166,12 +168,17 @@ class PreprocessPool:
             if pieces:
                 send((pieces, max(declared_s, len(samples) / SAMPLE_RATE), None))
 
+        # Whatever this raises reaches the request that waits on the queue: an error left in
+        # the pool's future instead would leave it waiting for pieces that never come.
         try:
+            cutter = PieceCutter(strategy)
             samples = load_audio(data, max_duration_s=self.max_duration_s, on_progress=on_progress)
             duration_s = len(samples) / SAMPLE_RATE
             send((cutter.finish(samples), duration_s, duration_s))
         except _Cancelled:
             pass
+        except VADUnavailableError as error:
+            send(vad_unavailable_error(error))
         except Exception as error:  # AudioError, or a bug: raised to the request that waits
             send(error)
 

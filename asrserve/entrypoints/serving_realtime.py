@@ -66,8 +66,11 @@ def _load_vad() -> None:
 
     try:
         get_vad()
-    except ImportError as error:  # turn detection is then refused per session, with this reason
-        logger.warning("live server VAD is unavailable: %s", error)
+    except ImportError as error:  # vad.VADUnavailableError: turn detection is then refused per session
+        logger.warning(
+            "Silero VAD is unavailable: %s. Uploads over 30 s cut at voice activity (the default chunking) "
+            "get a 500 (vad_unavailable), and live sessions cannot use server_vad turn detection", error,
+        )
 
 
 def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
