@@ -3,8 +3,11 @@ that dies, and SIGTERM. Each must free everything it held and tell the orchestra
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -18,9 +21,14 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
+import soxr
+import websockets
 
 from asrserve.audio.decode import load_audio
-from asrserve.config import SAMPLE_RATE
+from asrserve.config import SAMPLE_RATE, EngineConfig, ModelConfig
+from asrserve.engine.async_client import AsyncEngineClient, EngineDeadError
+from asrserve.engine.engine_process import EngineRequest
+from asrserve.engine.request import SamplingParams
 from benchmarks.overload import engine_idle
 from tests.server_utils import ServerProcess
 from tests.test_server import _assert_error
@@ -319,5 +327,94 @@ def test_an_install_that_cannot_load_silero_vad_answers_long_uploads_with_an_err
         assert not any(engine_idle(process).values())
         assert process.metrics()["asrserve_http_requests_waiting"] == 0
         assert "Silero VAD is unavailable" in process.logs()
+        # A live session starts with manual commits and says why; server_vad is refused, the
+        # session goes on and transcribes what is committed.
+        asyncio.run(_live_session_without_vad(process, load_audio(speech_files[1])))
     finally:
         process.stop()
+
+
+async def _live_session_without_vad(process: ServerProcess, speech: np.ndarray) -> None:
+    url = f"ws://127.0.0.1:{process.port}/v1/realtime?intent=transcription"
+    async with websockets.connect(url, max_size=None) as connection:
+        async def receive() -> dict:
+            return json.loads(await asyncio.wait_for(connection.recv(), 60))
+
+        created = await receive()
+        assert created["type"] == "session.created"
+        assert created["session"]["audio"]["input"]["turn_detection"] is None
+        error = (await receive())["error"]
+        assert error["code"] == "vad_unavailable" and "input_audio_buffer.commit" in error["message"]
+        vad_on = {"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
+        await connection.send(json.dumps({"type": "session.update", "event_id": "e1", "session": vad_on}))
+        error = (await receive())["error"]
+        assert (error["code"], error["event_id"], error["param"]) == (
+            "vad_unavailable", "e1", "session.audio.input.turn_detection")
+        samples = soxr.resample(speech, SAMPLE_RATE, 24_000)
+        data = base64.b64encode((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+        await connection.send(json.dumps({"type": "input_audio_buffer.append", "audio": data}))
+        await connection.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        while (event := await receive())["type"] != "conversation.item.input_audio_transcription.completed":
+            assert event["type"] != "error", event
+        assert "fox" in event["transcript"].lower()
+
+
+def _engine_client() -> AsyncEngineClient:
+    return AsyncEngineClient(EngineConfig(model=ModelConfig(model="tiny.en", dtype="float32")))
+
+
+async def _outputs(stream) -> list:
+    return [output async for output in stream]
+
+
+def test_a_request_the_engine_client_cannot_send_fails_alone(speech_files):
+    """A message that cannot be pickled (a bug; or MemoryError on a huge one) used to end the
+    sender thread: every later request waited forever, then the engine exited on EOF."""
+    async def run() -> None:
+        client = _engine_client()
+        client.start()
+        await asyncio.wait_for(client.ready.wait(), 120)
+        try:
+            audio = load_audio(speech_files[1])
+            [bad] = client.add([EngineRequest("bad", audio, None, "transcribe", SamplingParams(), prompt=lambda: 0)])
+            outputs = await asyncio.wait_for(_outputs(bad), 30)
+            assert outputs[-1].finish_reason == "error" and "could not send" in outputs[-1].error
+            [good] = client.add([EngineRequest("good", audio, None, "transcribe", SamplingParams())])
+            assert (await asyncio.wait_for(_outputs(good), 60))[-1].finish_reason == "stop"
+            assert client.is_ready
+        finally:
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_an_engine_output_the_client_cannot_read_stops_the_engine_and_fails_its_requests(speech_files, monkeypatch):
+    """recv() raising anything but EOF used to end the receiver thread silently: the request
+    waited forever while /health stayed 200 (is_ready true)."""
+    class Unreadable:
+        def __init__(self, connection):
+            self.connection = connection
+
+        def recv(self):
+            message = self.connection.recv()
+            if message[0] == "outputs" and message[1]:
+                raise pickle.UnpicklingError("injected")
+            return message
+
+    receive_loop = AsyncEngineClient._receive_loop
+    monkeypatch.setattr(AsyncEngineClient, "_receive_loop",
+                        lambda self, connection, loop: receive_loop(self, Unreadable(connection), loop))
+
+    async def run() -> None:
+        client = _engine_client()
+        client.start()
+        await asyncio.wait_for(client.ready.wait(), 120)
+        try:
+            [stream] = client.add([EngineRequest("r", load_audio(speech_files[1]), None, "transcribe", SamplingParams())])
+            with pytest.raises(EngineDeadError, match="could not read the engine's output"):
+                await asyncio.wait_for(_outputs(stream), 60)
+            assert not client.is_ready and client.failed.is_set()
+        finally:
+            client.shutdown()
+
+    asyncio.run(run())

@@ -87,6 +87,22 @@ def test_bad_inputs_raise_or_return(asr, speech_files, tmp_path):
     assert not asr.engine.has_work()
 
 
+def test_long_audio_where_silero_vad_cannot_load_fails_alone(asr, speech_files, long_clip, monkeypatch):
+    """The default chunking needs the VAD for audio over 30 s: that file fails with the reason
+    (errors="return") or raises, the others transcribe, and the engine is left clean."""
+    from asrserve.audio import vad
+
+    monkeypatch.setattr(vad, "_vad", None)
+    monkeypatch.setattr(vad, "_PACKAGE", "silero_vad_is_not_installed")
+    results = asr.transcribe([speech_files[1], long_clip[0], speech_files[5]], errors="return")
+    assert "pip install silero-vad" in results[1].error and "'energy'" in results[1].error and results[1].text == ""
+    assert "brown fox" in results[0].text.lower() and "plastic snake" in results[2].text.lower()
+    with pytest.raises(vad.VADUnavailableError):
+        asr.transcribe(long_clip[0])
+    assert asr.transcribe(long_clip[0], chunking_strategy="energy")[0].text
+    assert not asr.engine.has_work()
+
+
 def test_stopping_early_frees_the_engine(asr, speech_files):
     results = asr.transcribe_iter(speech_files)
     next(results)

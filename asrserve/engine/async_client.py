@@ -95,7 +95,7 @@ class AsyncEngineClient:
         to_engine_read.close()
         from_engine_write.close()
         loop = asyncio.get_running_loop()
-        threading.Thread(target=self._send_loop, args=(to_engine_write,), name="engine-sender", daemon=True).start()
+        threading.Thread(target=self._send_loop, args=(to_engine_write, loop), name="engine-sender", daemon=True).start()
         threading.Thread(
             target=self._receive_loop, args=(from_engine_read, loop), name="engine-receiver", daemon=True
         ).start()
@@ -155,12 +155,22 @@ class AsyncEngineClient:
 
     # Threads ---------------------------------------------------------------------------------
 
-    def _send_loop(self, connection) -> None:
+    def _send_loop(self, connection, loop: asyncio.AbstractEventLoop) -> None:
         while (message := self._outbox.get()) is not None:
             try:
-                connection.send(message)
+                connection.send(message)  # pickled whole before a byte is written
             except (OSError, EOFError):
                 return  # the receiver reports the death
+            except Exception as error:  # a message that cannot be pickled: its requests fail, the thread goes on
+                logger.exception("could not send a %r message to the engine", message[0])
+                if message[0] == "add":
+                    failed = [RequestOutput(request.request_id, [], [], True, "error",
+                                            error=f"could not send the request to the engine: {error}")
+                              for request in message[1]]
+                    try:
+                        loop.call_soon_threadsafe(self._dispatch, ("outputs", failed, self.stats))
+                    except RuntimeError:  # the loop has closed: the server is gone
+                        return
         connection.close()
 
     def _receive_loop(self, connection, loop: asyncio.AbstractEventLoop) -> None:
@@ -168,6 +178,11 @@ class AsyncEngineClient:
             try:
                 message = connection.recv()
             except (EOFError, OSError):
+                break
+            except Exception as error:  # an unreadable message (MemoryError, say): its requests would wait forever
+                logger.exception("could not read the engine's output")
+                self.error = f"could not read the engine's output ({error!r}); the engine was stopped"
+                self._process.kill()
                 break
             try:
                 loop.call_soon_threadsafe(self._dispatch, message)

@@ -187,6 +187,9 @@ class EngineLoop:
                 self.messages.put(self.inbox.recv())
         except (EOFError, OSError):  # the server went away: stop with it
             self.messages.put(("shutdown",))
+        except Exception:  # an unreadable message: stop, rather than leave the server's requests waiting
+            logger.exception("could not read the server's message; the engine stops")
+            self.messages.put(("shutdown",))
 
     def _handle(self, message: tuple) -> list[RequestOutput]:
         kind, payload = message

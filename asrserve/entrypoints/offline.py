@@ -11,6 +11,7 @@ import numpy as np
 
 from asrserve.audio.chunking import DEFAULT_CHUNKING, ChunkingStrategy, cut_audio
 from asrserve.audio.decode import AudioError, AudioSource, load_audio
+from asrserve.audio.vad import VADUnavailableError
 from asrserve.config import (
     SAMPLE_RATE,
     CacheConfig,
@@ -219,13 +220,13 @@ class ASR:
             job = _Job(index, str(source) if isinstance(source, (str, Path)) else None, language=language_of(index))
             try:
                 samples = load_audio(source)
-            except AudioError as error:
+                pieces = cut_audio(samples, strategy)
+            except (AudioError, VADUnavailableError) as error:  # the VAD: audio over 30 s where it cannot load
                 if errors == "raise":
                     raise
-                job.error = str(error)
+                job.error = str(error) if isinstance(error, AudioError) else f"{error} (or use chunking strategy 'energy')"
                 return job
             job.duration = len(samples) / SAMPLE_RATE
-            pieces = cut_audio(samples, strategy)
             job.params = long_form_params(params, job.duration)
             for piece in pieces:
                 result = PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=job.language)

@@ -62,15 +62,32 @@ class RealtimeState:
 
 
 def _load_vad() -> None:
+    error = _vad_error()
+    if error is not None:
+        logger.warning(
+            "Silero VAD is unavailable: %s. Uploads over 30 s cut at voice activity (the default chunking) "
+            "get a 500 (vad_unavailable), and live sessions start without server_vad turn detection", error,
+        )
+
+
+def _vad_error() -> str | None:
+    """Why the live VAD cannot run here, or None. Run on the VAD's thread: after the start-up
+    load, and quick once the model is loaded."""
     from asrserve.audio.vad import get_vad
 
     try:
         get_vad()
-    except ImportError as error:  # vad.VADUnavailableError: turn detection is then refused per session
-        logger.warning(
-            "Silero VAD is unavailable: %s. Uploads over 30 s cut at voice activity (the default chunking) "
-            "get a 500 (vad_unavailable), and live sessions cannot use server_vad turn detection", error,
-        )
+    except ImportError as error:  # vad.VADUnavailableError
+        return str(error)
+    return None
+
+
+def _vad_unavailable(reason: str) -> RealtimeError:
+    return RealtimeError(
+        f"server_vad turn detection is unavailable on this server ({reason}): turn_detection is null, so "
+        "send input_audio_buffer.commit to end each turn", param="session.audio.input.turn_detection",
+        code="vad_unavailable", type="server_error",
+    )
 
 
 def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
@@ -168,10 +185,16 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 closed = True  # the receive loop sees the disconnect and ends the session
 
     session_id = new_id("sess")
-    config = SessionConfig(model=websocket.query_params.get("model") or state.model_name)
+    # Without the VAD a session still works, with manual commits: it says so, and refuses
+    # session.updates that ask for server_vad.
+    vad_error = await realtime.run_vad(_vad_error)
+    config = SessionConfig(model=websocket.query_params.get("model") or state.model_name,
+                           **({"turn_detection": None} if vad_error is not None else {}))
     session = RealtimeSession(session_id, config, realtime.options, state.engine, state.tokenizer, send,
                               realtime.run_vad, state.metrics)
     await send(server_event("session.created", session=config.as_session(session_id)))
+    if vad_error is not None:
+        await send(_vad_unavailable(vad_error).event(None))
     idle_timeout = state.config.realtime_idle_timeout_s
     try:
         while True:
@@ -189,9 +212,15 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 event, event_id = _parse(message)
                 if event.get("type") == "session.update":
                     _check_session(event, state)
+                    if vad_error is not None and session.config.updated(event.get("session")).turn_detection:
+                        raise _vad_unavailable(vad_error)
                 await session.handle(event)
             except RealtimeError as error:
                 await send(error.event(event_id or error.event_id))
+            except Exception:  # a bug: this event fails, the session goes on
+                logger.exception("realtime session %s: the event failed", session_id)
+                await send(RealtimeError("the server failed on this event: this is a bug in asrserve; the log has "
+                                         "the details", code="server_error", type="server_error").event(event_id))
     except WebSocketDisconnect:
         return
     finally:
