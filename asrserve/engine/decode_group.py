@@ -67,7 +67,9 @@ class DecodeGroup:
         """The first sample of an open level (within levels_ahead of the lowest undecided one)
         that is neither finished nor being decoded."""
         levels = self.num_open_levels
-        if self.levels_ahead is not None:
+        # The lowest undecided level is at least 0: only more open levels than levels_ahead can
+        # be cut (nearly always one is open; computed each step for every request, ~1 us each).
+        if self.levels_ahead is not None and levels > self.levels_ahead:
             undecided = next((level for level in range(len(self.temperatures)) if any(
                 (level, sample) not in self.finished for sample in range(self.num_samples[level]))),
                 len(self.temperatures))

@@ -119,8 +119,9 @@ class Scheduler:
                 attach(request, self.block_manager, self.max_model_len)
         # Usually none: only fallback or best_of has samples waiting (alone: all levels at once).
         primaries = [r for r in (*self.running, *self.parked) if not r.is_sibling]
+        levels_ahead = None if len(primaries) + len(self.waiting) == 1 else LEVELS_AHEAD_UNDER_LOAD
         for request in primaries:
-            request.group.levels_ahead = None if len(primaries) + len(self.waiting) == 1 else LEVELS_AHEAD_UNDER_LOAD
+            request.group.levels_ahead = levels_ahead
         pending = [r for r in primaries if r.group.next_unassigned() is not None]
         for request in sorted(pending, key=lambda r: r.order):
             while self._can_start_sibling(request):
