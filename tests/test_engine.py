@@ -553,3 +553,20 @@ def test_writing_cross_kv_zeros_the_slots_rounding_positions():
         assert torch.equal(whole[:, :cross_len], written.transpose(0, 1))
         assert torch.equal(whole[:, cross_len:], torch.zeros_like(whole[:, cross_len:]))
         assert cross_slot_view(layer_kv, 0, 1, slot_tokens, slot_tokens).isnan().all()  # its neighbours untouched
+
+
+def test_the_host_step_benchmark_runs_the_cuda_graph_fill_on_a_cpu():
+    """benchmarks/host_step.py times the CUDA step's host work without a GPU (DecodeGraphs built
+    on the CPU, its replay a no-op): kept working here, since GPUs are rarely at hand."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/host_step.py", "--running", "16", "--tokens", "6", "--rounds", "2"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["running"] == 16 and result["steps"] > 0
+    assert all(result[name] > 0 for name in ("schedule", "fill", "update", "step_less_sampler"))

@@ -55,13 +55,15 @@ class DecodeGraphs:
         self.cross_len = cross_len
         self.scratch_slot = scratch_block * block_size
         device = kv_cache.device
-        # One pinned staging buffer and one device buffer: a step is one upload.
+        # One pinned staging buffer and one device buffer: a step is one upload. (On a CPU, where
+        # benchmarks/host_step.py builds one to time run()'s host work, the copy is synchronous.)
+        cuda = device.type == "cuda"
         width = len(_COLUMNS) + self.max_blocks
-        self.host = torch.zeros(max_rows * width, dtype=torch.int64, pin_memory=True)
+        self.host = torch.zeros(max_rows * width, dtype=torch.int64, pin_memory=cuda)
         self.device_inputs = torch.zeros(max_rows * width, dtype=torch.int64, device=device)
         self.host_columns = self._columns(self.host.numpy())
         self.device_columns = self._columns(self.device_inputs)
-        self.uploaded = torch.cuda.Event()
+        self.uploaded = torch.cuda.Event() if cuda else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _columns(self, flat):
@@ -110,7 +112,8 @@ class DecodeGraphs:
         that holds it. The rows are a view of the graph's output, valid until the next run."""
         num_rows = len(requests)
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_rows)]
-        self.uploaded.synchronize()  # the last step's upload has left the staging buffer
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the last step's upload has left the staging buffer
         columns = self.host_columns
         tables = columns["block_tables"]
         for row, request in enumerate(requests):
@@ -125,7 +128,8 @@ class DecodeGraphs:
             tables[row, :len(table)] = table
         self._fill_padding(num_rows, bucket)
         self.device_inputs.copy_(self.host, non_blocking=True)
-        self.uploaded.record()
+        if self.uploaded is not None:
+            self.uploaded.record()
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:num_rows]
