@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on its own line, in the order of the files; json prints one object per line.",
     )
     transcribe.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, ogg/opus, mp3, ...)")
-    transcribe.add_argument("--language", "-l", default=None, help="ISO-639-1 code; detected when omitted")
+    transcribe.add_argument("--language", "-l", default=None, help="ISO-639-1 code; detected when omitted or empty (as the server's empty form field)")
     transcribe.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     transcribe.add_argument(
         "--response-format", "-f", choices=["text", "json", "verbose_json", "srt", "vtt"], default="text",
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "Whisper stopped early in it")
     transcribe.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     transcribe.add_argument("--seed", type=int, default=None, help="seed for temperature sampling")
-    transcribe.add_argument("--max-tokens", type=int, default=None, help="tokens per 30 s piece at most")
+    transcribe.add_argument("--max-tokens", type=int, default=None, help="text tokens of the whole transcript at most (the server's max_completion_tokens)")
     progress = transcribe.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
                           help="progress bar on stderr (default: with several files on a terminal)")

@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     next_to_print = 0
     try:
         results = asr.transcribe_iter(
-            args.files, language=args.language, task=args.task, temperature=args.temperature,
+            args.files, language=args.language or None, task=args.task, temperature=args.temperature,
             seed=args.seed, max_tokens=args.max_tokens, errors="return", progress=show_progress,
             timestamps=args.response_format in TIMESTAMPED_FORMATS,
             # Words are shown by verbose_json only; asked for elsewhere they would only change

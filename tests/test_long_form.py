@@ -467,3 +467,37 @@ def test_max_completion_tokens_cuts_long_audio_where_it_is_reached(tiny_en_engin
     first = full.pieces[0]
     assert streamed.seconds_transcribed == pytest.approx(first.offset_s + first.duration_s)
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_max_tokens_offline_cuts_the_whole_transcript_as_the_server_does(asr, speech_audio):
+    """ASR.transcribe(max_tokens=) and the CLI's --max-tokens capped each engine request only:
+    continuations and later pieces added text past the limit (208 words for a cap of 40), and
+    with timestamps a single piece gave 30 tokens for 25. Now the whole transcript is cut as
+    max_completion_tokens cuts it over HTTP: the same text as the server's job on this engine."""
+    from asrserve.entrypoints.transcription_job import _text_tokens
+
+    chosen = [5, 6, 8, 9, 10, 12, 13, 14, 15, 1, 3] * 2
+    gap = np.zeros(int(0.6 * SAMPLE_RATE), np.float32)
+    audio = np.concatenate([part for index in chosen for part in (speech_audio[index], gap)])
+    eot = asr.tokenizer.special.eot
+    limit = 12
+    for timestamps in (False, True):
+        full = asr.transcribe(audio, fallback=False, timestamps=timestamps, chunking_strategy="energy")[0]
+        capped = asr.transcribe(audio, fallback=False, timestamps=timestamps, chunking_strategy="energy",
+                                max_tokens=limit)[0]
+        assert len(_text_tokens(capped.token_ids, eot, None)) == limit, (timestamps, capped.text)
+        assert full.text.startswith(capped.text) and len(full.text) > len(capped.text), (capped.text, full.text)
+        if timestamps:
+            assert " ".join(segment.text.strip() for segment in capped.segments) == capped.text
+
+    async def served() -> str:
+        engine = _LocalEngine(asr.engine)
+        stepper = asyncio.create_task(engine.run())
+        try:
+            params = SamplingParams.transcription(decode_once=True, max_tokens=limit)
+            job = TranscriptionJob(engine, asr.tokenizer, _engine_pieces(audio), None, "transcribe", params, limit)
+            return await job.run()
+        finally:
+            stepper.cancel()
+
+    assert asyncio.run(served()) == capped.text

@@ -165,6 +165,13 @@ def test_cli_bad_file_fails_alone(speech_files, tmp_path):
     assert "brown fox" in result.stdout.split("\n")[1].lower()
 
 
+def test_cli_empty_language_detects_it_as_the_server_does(speech_files):
+    """`-l "$LANG"` with the variable unset: the server takes an empty language field as none."""
+    result = _cli("--language", "", "-f", "json", str(speech_files[1]))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["language"] == "english"
+
+
 def test_cli_subtitles_and_verbose_json(speech_files, tmp_path):
     import srt
 

@@ -22,7 +22,9 @@ from asrserve.config import (
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
-from asrserve.entrypoints.pieces import PieceResult, decode_to_the_end, long_form_params, transcript_text
+from asrserve.entrypoints.pieces import (
+    PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, transcript_text,
+)
 from asrserve.entrypoints.segments import Segment, Word, build_segments
 from asrserve.errors import InvalidRequestError
 
@@ -144,7 +146,8 @@ class ASR:
         temperatures and drop pieces judged silence (OpenAI's semantics); False decodes once.
         The fallback temperatures decode side by side, not one after another.
         best_of: samples drawn at each temperature above 0, the likeliest kept (default 5 with
-        fallback on, 1 without).
+        fallback on, 1 without). max_tokens: text tokens of each whole transcript at most (the
+        server's max_completion_tokens; the text past it is dropped).
         """
         sources = [audio] if _is_single(audio) else list(audio)
         results: list[Transcription | None] = [None] * len(sources)
@@ -195,9 +198,10 @@ class ASR:
             )
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
-        uncapped = decode_to_the_end(params)
-        text_limit = None if uncapped is params else max_tokens  # each piece cut in _finish
-        params = uncapped
+        # The engine stops each decode at max_tokens; _finish cuts the whole transcript there, as
+        # the server does (continuations and later pieces decode past it).
+        params = decode_to_the_end(params)
+        text_limit = max_tokens
         language_of = self._languages(language, count, task)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)
@@ -299,9 +303,8 @@ class ASR:
     def _finish(self, job: _Job, params: SamplingParams, text_limit: int | None) -> Transcription:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
-        for piece in job.pieces if text_limit else ():
-            piece.truncate_text(text_limit, self.tokenizer.special.eot)
         drop_repeated_words(self.tokenizer, job.pieces)
+        cap_text_tokens(job.pieces, text_limit, self.tokenizer.special.eot)
         language = next((piece.language for piece in job.pieces if piece.language), None)
         spoken = [piece for piece in job.pieces if not piece.is_silence]
         is_timestamp = self.tokenizer.is_timestamp

@@ -74,6 +74,23 @@ def decode_to_the_end(params: SamplingParams) -> SamplingParams:
     return params
 
 
+def cap_text_tokens(pieces: list[PieceResult], limit: int | None, eot: int) -> int:
+    """Cuts the transcript at `limit` text tokens (max_completion_tokens: the whole transcript,
+    not each piece): a piece keeps what is left of the limit and the pieces after the one that
+    reaches it go. Returns the text tokens kept."""
+    kept = 0
+    for index, piece in enumerate(pieces):
+        if piece.is_silence:
+            continue
+        if limit is not None:
+            piece.truncate_text(limit - kept, eot)
+        kept += piece.num_text_tokens(eot)
+        if limit is not None and kept >= limit:
+            del pieces[index + 1 :]
+            break
+    return kept
+
+
 def separator_for(language: str | None) -> str:
     return "" if language in NO_SPACE_LANGUAGES else " "
 

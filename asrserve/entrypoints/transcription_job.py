@@ -19,7 +19,9 @@ from asrserve.engine.async_client import AsyncEngineClient, RequestStream
 from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length
-from asrserve.entrypoints.pieces import PieceResult, long_form_params, separator_for, transcript_text
+from asrserve.entrypoints.pieces import (
+    PieceResult, cap_text_tokens, long_form_params, separator_for, transcript_text,
+)
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.errors import InvalidRequestError
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -271,18 +273,10 @@ class TranscriptionJob:
                 chain.cancel()
         self.pieces = [piece for chain in done for piece in chain]
         drop_repeated_words(self.tokenizer, self.pieces)
-        eot = self.tokenizer.special.eot
-        for index, piece in enumerate(self.pieces):
-            if self.language is not None:
+        if self.language is not None:
+            for piece in self.pieces:
                 piece.language = piece.language or self.language
-            if piece.is_silence:
-                continue
-            if self.max_completion_tokens is not None:
-                piece.truncate_text(self.max_completion_tokens - self.num_output_tokens, eot)
-            self.num_output_tokens += piece.num_text_tokens(eot)
-            if self._at_token_limit:
-                del self.pieces[index + 1 :]
-                break
+        self.num_output_tokens = cap_text_tokens(self.pieces, self.max_completion_tokens, self.tokenizer.special.eot)
         self.text = transcript_text(self.tokenizer, self.pieces, self.language)
         return self.text
 
@@ -314,10 +308,6 @@ class TranscriptionJob:
     @property
     def _separator(self) -> str:
         return separator_for(self.language)
-
-    @property
-    def _at_token_limit(self) -> bool:
-        return self.max_completion_tokens is not None and self.num_output_tokens >= self.max_completion_tokens
 
 
 def _text_tokens(token_ids: list[int], eot: int, budget: int | None) -> list[int]:
