@@ -224,3 +224,12 @@ def test_damaged_weights_are_a_vad_unavailable_error(tmp_path):
     with pytest.raises(vad.VADUnavailableError, match="could not read Silero VAD's weights"):
         vad.SileroVAD(damaged)
     assert issubclass(vad.VADUnavailableError, ImportError)  # what callers that go on without it catch
+
+
+def test_another_models_weights_are_an_unsupported_version(tmp_path):
+    import torch
+
+    other = tmp_path / "other.jit"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(other))
+    with pytest.raises(vad.VADUnavailableError, match="this silero-vad version is not supported"):
+        vad.SileroVAD(other)

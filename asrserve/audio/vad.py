@@ -95,8 +95,10 @@ class SileroVAD:
         del jit  # we keep only the 16 kHz model's tensors
         try:
             self._read(state)
-        except KeyError as error:  # another version's model, with other names
-            raise VADUnavailableError(f"this silero-vad version is not supported: its model has no {error}") from None
+        except VADUnavailableError:
+            raise
+        except Exception as error:  # another version's model: other names (KeyError), other shapes
+            raise VADUnavailableError(f"this silero-vad version is not supported: {type(error).__name__} {error}") from None
 
     def _read(self, state: dict) -> None:
         import torch
