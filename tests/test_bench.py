@@ -3,9 +3,12 @@ against a real server (sweep, streaming, saved JSON, plot, failures)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +193,79 @@ def test_bench_usage_errors():
     assert run.returncode == 2 and "needs --realtime" in run.stderr
     run = bench(".", "--realtime", "0")
     assert run.returncode == 2 and "--realtime takes" in run.stderr
+
+
+def test_manifest_names_files_in_subfolders(speech_files, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.wav").write_bytes(speech_files[1].read_bytes())
+    manifest = tmp_path / "m.tsv"
+    manifest.write_text(f"file\ttext\nsub/a.wav\t{SENTENCES[1]}\n")
+    assert [(f.name, f.reference) for f in load_workload(tmp_path, manifest)] == [("a.wav", SENTENCES[1])]
+
+
+class _Misbehaving(http.server.BaseHTTPRequestHandler):
+    """A server whose transcriptions are 200s of HTML, whose /health answers 503 after 0.3 s and
+    which speaks no WebSocket."""
+
+    def do_GET(self):
+        if self.path == "/health":
+            time.sleep(0.3)
+            self._answer(503, b"{}")
+        else:
+            self._answer(200, b"<html>not a WebSocket</html>")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(200, b"<html>a proxy's page</html>")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_bench_reports_what_a_misbehaving_server_does(workload, tmp_path):
+    """Unreadable 200s are failures (the run used to end in a traceback), failed /health probes
+    count in its p99 for as long as they took, and live streams that cannot connect are errors
+    of their level, saved (a traceback before, and no JSON)."""
+    folder, manifest = workload
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        result_path = tmp_path / "bad.json"
+        run = bench(str(folder), "--url", url, "--model", "m", "--duration", "1.5", "-c", "2", "--warmup", "0",
+                    "--save-result", str(result_path), "--no-progress")
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        summary = json.loads(result_path.read_text())["runs"][0]
+        assert summary["failed"] == summary["requests"] > 0 and "unreadable response" in summary["first_errors"][0]
+        assert summary["health"]["failures"] >= 1 and summary["health"]["p99"] >= 300
+        live_path = tmp_path / "live.json"
+        run = bench(str(folder), "--url", url, "--model", "m", "--realtime", "1", "--save-result", str(live_path))
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        (level,) = json.loads(live_path.read_text())["runs"]
+        assert level["utterances"] == 0 and level["errors"]
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_bench_realtime_asks_for_the_model_given(server, workload, tmp_path):
+    folder, manifest = workload
+    result_path = tmp_path / "nosuch.json"
+    run = bench(str(folder), "--url", server.url, "--api-key", API_KEY, "--model", "nosuch", "--realtime", "1",
+                "--save-result", str(result_path))
+    assert run.returncode == 1, run.stderr
+    (level,) = json.loads(result_path.read_text())["runs"]
+    assert level["utterances"] == 0 and "404" in level["errors"][0]
+
+
+def test_bench_refuses_a_manifest_with_untexted_formats(workload):
+    folder, manifest = workload
+    run = bench(str(folder), "--manifest", str(manifest), "--response-format", "srt", "--url", "http://127.0.0.1:9")
+    assert run.returncode == 2 and "gives none" in run.stderr

@@ -131,6 +131,9 @@ async def _send(client: httpx.AsyncClient, spec: LoadSpec, files: list[AudioFile
             await response.aclose()
     except httpx.HTTPError as error:
         sample.error = f"{type(error).__name__}: {error}"
+    except (ValueError, AttributeError) as error:  # a 200 whose body is not what the format promises
+        sample.error = f"unreadable response: {type(error).__name__}: {str(error)[:120]}"
+        sample.text = None
     sample.end = time.perf_counter()
     return sample
 
@@ -173,10 +176,11 @@ async def _probe_health(spec: LoadSpec, result: LoadResult) -> None:
             begin = time.perf_counter()
             try:
                 response = await probe.get("/health")
-                if response.status_code == 200:
-                    result.health_latencies_s.append(time.perf_counter() - begin)
-                else:
+                if response.status_code != 200:
                     result.health_failures += 1
             except httpx.HTTPError:
                 result.health_failures += 1
+            # Failed probes count too, for as long as they took (a probe that timed out after
+            # 10 s is a /health that did not answer for 10 s): a load balancer waits as long.
+            result.health_latencies_s.append(time.perf_counter() - begin)
             await asyncio.sleep(spec.health_interval_s)

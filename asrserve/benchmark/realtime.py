@@ -22,6 +22,7 @@ import asyncio
 import base64
 import json
 import time
+from urllib.parse import quote
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -56,13 +57,25 @@ def _pcm(file: AudioFile) -> bytes:
 
 
 async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, result: StreamResult) -> None:
+    """One live stream; what goes wrong (refused, dropped, a server without server VAD) is one
+    of its errors, and the level's figures are those of what came before."""
+    try:
+        await _play(url, headers, clips, gap_s, result)
+    except Exception as error:  # ConnectionRefusedError, websockets' InvalidStatus / ConnectionClosed, ...
+        result.errors.append(f"{type(error).__name__}: {error}")
+
+
+async def _play(url: str, headers: dict, clips: list[bytes], gap_s: float, result: StreamResult) -> None:
     import websockets
 
     silence = bytes(int(RATE * gap_s) * 2)
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
         created = json.loads(await ws.recv())
-        assert created["type"] == "session.created"
-        padding_s = created["session"]["audio"]["input"]["turn_detection"]["prefix_padding_ms"] / 1000
+        detection = created.get("session", {}).get("audio", {}).get("input", {}).get("turn_detection")
+        if created.get("type") != "session.created" or not detection:
+            raise RuntimeError(f"the session has no server_vad turn detection: {json.dumps(created)[:200]}")
+        padding_s = detection["prefix_padding_ms"] / 1000
+        last_end_ms = -1.0  # where the last turn server VAD found ended, in the stream's audio
         clock: list[float] = []  # when the stream's first audio was sent: audio time 0
         speech_starts: dict[str, float] = {}  # item -> when its speech began, on this clock
         stopped: dict[str, float] = {}
@@ -81,20 +94,28 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
                 for audio in (clip, silence):
                     for offset in range(0, len(audio), step):
                         chunk = audio[offset : offset + step]
+                        # Sent once its last sample is due, as a microphone can send it: never ahead.
+                        sent_s += len(chunk) / 2 / RATE
+                        await asyncio.sleep(max(0.0, start + sent_s - time.monotonic()))
                         await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                                   "audio": base64.b64encode(chunk).decode()}))
-                        sent_s += len(chunk) / 2 / RATE
-                        await asyncio.sleep(max(0.0, start + sent_s - time.monotonic()))  # real time
 
         async def receive() -> None:
+            nonlocal last_end_ms
             async for message in ws:
                 event = json.loads(message)
                 kind, now = event["type"], time.monotonic()
                 if kind == "input_audio_buffer.speech_started":
                     items.append(event["item_id"])
-                    speech_starts[event["item_id"]] = clock[0] + event["audio_start_ms"] / 1000 + padding_s
+                    # audio_start_ms includes the prefix padding, unless the turn began within the
+                    # padding after the last one (cut short there): then the speech began somewhere
+                    # in that span, and its start is taken (a first delta measured no shorter).
+                    start_ms = event["audio_start_ms"]
+                    begun_s = start_ms / 1000 + (padding_s if start_ms > last_end_ms else 0.0)
+                    speech_starts[event["item_id"]] = clock[0] + begun_s
                 elif kind == "input_audio_buffer.speech_stopped":
                     stopped[event["item_id"]] = now
+                    last_end_ms = event["audio_end_ms"]
                     spoken_s[event["item_id"]] = event["audio_end_ms"] / 1000 - (speech_starts[event["item_id"]] - clock[0])
                 elif kind.endswith("transcription.delta") and event["item_id"] not in first_delta:
                     first_delta[event["item_id"]] = now
@@ -127,10 +148,12 @@ async def _stream(url: str, headers: dict, clips: list[bytes], gap_s: float, res
 
 
 async def run_streams(url: str, api_key: str | None, clips: list[bytes], streams: int, gap_s: float,
-                      references: list[str | None]) -> dict:
+                      references: list[str | None], model: str | None = None) -> dict:
     """clips: the files as 24 kHz PCM (_pcm), decoded once for every level of the sweep;
     references: what each says, when the manifest gives it (then WER is reported)."""
     ws_url = url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime?intent=transcription"
+    if model:
+        ws_url += f"&model={quote(model)}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = [StreamResult() for _ in range(streams)]
     # Streams start 0.3 s apart, as people do not all start talking in the same instant.
@@ -170,7 +193,7 @@ async def run_streams_beside_uploads(url: str, api_key: str | None, clips: list[
     for as long as a stream plays; the uploads' figures go under "uploads"."""
     play_s = sum(len(clip) / 2 / RATE + gap_s for clip in clips) + 0.3 * streams
     load = asyncio.ensure_future(run_load(replace(uploads, duration_s=play_s, num_requests=None), files))
-    live = await run_streams(url, api_key, clips, streams, gap_s, [file.reference for file in files])
+    live = await run_streams(url, api_key, clips, streams, gap_s, [file.reference for file in files], uploads.model)
     summary = summarize(await load, files)
     keep = ("concurrency", "succeeded", "failed", "audio_seconds", "wall_seconds", "rtfx", "latency_ms", "wer")
     return live | {"uploads": {key: summary[key] for key in keep if key in summary}}
@@ -180,8 +203,15 @@ def _p99(run: dict) -> float:
     return run["end_of_speech_to_completed_ms"]["p99"] or float("inf")
 
 
+def _slowdown(beside: dict, alone: dict) -> float | None:
+    """The p99 beside uploads over the p99 alone; None where either level has no turns."""
+    with_uploads, without = (run["end_of_speech_to_completed_ms"]["p99"] for run in (beside, alone))
+    return round(with_uploads / without, 2) if with_uploads and without else None
+
+
 def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], max_streams: int, gap_s: float,
-                       log, uploads: LoadSpec | None = None) -> dict:
+                       log, uploads: LoadSpec | None = None, model: str | None = None, on_level=None) -> dict:
+    """on_level(result so far) after each level: a run cut short keeps what it measured."""
     levels, level = [], 1
     while level < max_streams:
         levels.append(level)
@@ -190,7 +220,7 @@ def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], ma
     runs = []
     clips = [_pcm(file) for file in files]
     for streams in levels:
-        run = asyncio.run(run_streams(url, api_key, clips, streams, gap_s, [file.reference for file in files]))
+        run = asyncio.run(run_streams(url, api_key, clips, streams, gap_s, [file.reference for file in files], model))
         runs.append(run)
         latency = run["end_of_speech_to_completed_ms"]
         log(f"{streams} streams: end of speech -> completed p50 {latency['p50']} ms, p99 {latency['p99']} ms; "
@@ -200,11 +230,17 @@ def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], ma
         if uploads is not None:
             beside = asyncio.run(run_streams_beside_uploads(url, api_key, clips, streams, gap_s, files, uploads))
             run["with_uploads"] = beside
-            run["p99_slowdown_with_uploads"] = round(_p99(beside) / _p99(run), 2)
+            run["p99_slowdown_with_uploads"] = _slowdown(beside, run)
             done = beside["uploads"]
             log(f"  beside {uploads.concurrency} uploading clients: p50 {beside['end_of_speech_to_completed_ms']['p50']}"
                 f" ms, p99 {beside['end_of_speech_to_completed_ms']['p99']} ms ({run['p99_slowdown_with_uploads']}x); "
                 f"{'WER ' + format(beside['wer'] * 100, '.1f') + ' %; ' if 'wer' in beside else ''}"
                 f"uploads: {done['succeeded']} done, {done['failed']} failed, RTFx {done['rtfx']}")
+        if on_level is not None:
+            on_level(_sweep_result(runs))
+    return _sweep_result(runs)
+
+
+def _sweep_result(runs: list[dict]) -> dict:
     held = [r["streams"] for r in runs if not r["errors"] and _p99(r) < P99_TARGET_S * 1000]
     return {"runs": runs, "max_streams_p99_under_1s": max(held) if held else 0}

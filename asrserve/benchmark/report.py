@@ -72,11 +72,19 @@ def format_table(summaries: list[dict]) -> str:
         row.append(s["health"]["p99"])
         if scored:
             row.append(round(100 * s["wer"], 2) if "wer" in s else None)
-        rows.append(["-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v) for v in row])
+        rows.append([_cell(v) for v in row])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):  # two decimals below 10: a slow server's 0.04 req/s is not 0.0
+        return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
 
 
 def require_matplotlib():
@@ -96,7 +104,9 @@ def plot_sweep(summaries: list[dict], path: Path, title: str) -> Path:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(concurrency, [s["rtfx"] for s in summaries], marker="o")
     left.set(xlabel="concurrency", ylabel="RTFx (audio s / wall s)", title="throughput")
-    right.plot(concurrency, [s["latency_ms"]["p99"] or 0 for s in summaries], marker="o", color="tab:red")
+    # A level where every request failed has no latency: a gap in the line, not 0 ms.
+    p99 = [np.nan if s["latency_ms"]["p99"] is None else s["latency_ms"]["p99"] for s in summaries]
+    right.plot(concurrency, p99, marker="o", color="tab:red")
     right.set(xlabel="concurrency", ylabel="p99 latency (ms)", title="p99 latency")
     for axis in (left, right):
         axis.set_xscale("log", base=2)

@@ -26,6 +26,9 @@ def run_bench(args: argparse.Namespace) -> int:
         files = load_workload(args.audio_dir, args.manifest)
         if any(f.reference is not None for f in files):
             english_normalizer()  # fail now, not after the run, when WER cannot be computed
+            if args.response_format in ("srt", "vtt") and not args.realtime:
+                raise ValueError(f"--manifest scores text, and --response-format {args.response_format} "
+                                 "gives none: use json, verbose_json or text")
         if args.sweep:
             require_matplotlib()  # fail now, not after the run
         model = args.model or _first_model(args.url, args.api_key)
@@ -103,18 +106,23 @@ def _run_realtime(args: argparse.Namespace, files, model: str, uploads: LoadSpec
 
     log(f"{len(files)} files, {sum(f.duration_s for f in files):.1f} s of audio per stream; {args.url}, model {model}, "
         f"up to {args.realtime} live streams")
+    def save(result: dict) -> None:  # after every level: a run cut short keeps the levels it finished
+        if args.save_result:
+            record = {
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "url": args.url,
+                "model": model, "files": len(files), "client": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                **result,
+            }
+            args.save_result.write_text(json.dumps(record, indent=2) + "\n")
+
     try:
-        result = run_realtime_sweep(args.url, args.api_key, files, args.realtime, args.realtime_gap_s, log, uploads)
+        result = run_realtime_sweep(args.url, args.api_key, files, args.realtime, args.realtime_gap_s, log, uploads,
+                                    model=model, on_level=save)
     except KeyboardInterrupt:
         log("asrserve bench: interrupted")
         return 130
     print(f"most live streams with end of speech -> completed p99 under 1 s: {result['max_streams_p99_under_1s']}")
-    record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "url": args.url,
-        "model": model, "files": len(files), "client": f"{platform.machine()}, {os.cpu_count()} CPUs", **result,
-    }
     if args.save_result:
-        args.save_result.write_text(json.dumps(record, indent=2) + "\n")
         log(f"wrote {args.save_result}")
     return 0 if all(run["utterances"] for run in result["runs"]) else 1
 

@@ -46,14 +46,16 @@ def load_workload(audio_dir: Path, manifest: Path | None = None) -> list[AudioFi
     if not paths:
         raise ValueError(f"no audio files in {audio_dir} (looked for {', '.join(sorted(AUDIO_SUFFIXES))})")
     files = []
-    for path in paths:
+    # By the manifest's names: a file in a subfolder ("sub/x.wav") keeps its reference.
+    names = list(references) if manifest is not None else [path.name for path in paths]
+    for name, path in zip(names, paths):
         data = path.read_bytes()
         try:
             duration = len(load_audio(data)) / SAMPLE_RATE  # decoded as the server will, for RTFx
         except AudioError as error:
             raise ValueError(f"{path}: {error}") from None
         mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        files.append(AudioFile(path.name, data, mime, duration, references.get(path.name)))
+        files.append(AudioFile(path.name, data, mime, duration, references.get(name)))
     return files
 
 
