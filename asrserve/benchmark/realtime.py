@@ -22,8 +22,8 @@ import asyncio
 import base64
 import json
 import time
-from urllib.parse import quote
 from dataclasses import dataclass, field, replace
+from urllib.parse import quote
 
 import numpy as np
 

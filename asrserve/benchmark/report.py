@@ -31,7 +31,7 @@ def summarize(result: LoadResult, files: list[AudioFile]) -> dict:
         "requests_per_second": round(len(done) / result.wall_s, 3) if result.wall_s > 0 else 0.0,
         "latency_ms": percentiles([s.end - s.start for s in done], (50, 90, 99)),
         "health": {
-            "probes": len(result.health_latencies_s) + result.health_failures,
+            "probes": len(result.health_latencies_s),  # failed ones included, timed as long as they took
             "failures": result.health_failures,
             **percentiles(result.health_latencies_s, (50, 99)),
         },

@@ -106,6 +106,7 @@ def _run_realtime(args: argparse.Namespace, files, model: str, uploads: LoadSpec
 
     log(f"{len(files)} files, {sum(f.duration_s for f in files):.1f} s of audio per stream; {args.url}, model {model}, "
         f"up to {args.realtime} live streams")
+
     def save(result: dict) -> None:  # after every level: a run cut short keeps the levels it finished
         if args.save_result:
             record = {
