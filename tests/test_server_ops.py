@@ -394,3 +394,31 @@ def test_a_queued_preprocessing_job_is_cancelled_when_its_client_leaves(monkeypa
     asyncio.run(run())
     pool.shutdown()
     assert decoded == [b"first"]  # the cancelled job never ran
+
+
+def test_a_failed_engine_watcher_stops_the_server():
+    """Its error would otherwise sit in a task nobody reads, the server answering 503 for ever."""
+    from asrserve.entrypoints.api_server import _exit_if_it_failed
+
+    class State:
+        exit_code = None
+
+        def request_exit(self, code: int) -> None:
+            self.exit_code = code
+
+    async def failing() -> None:
+        raise RuntimeError("the tokenizer could not be built")
+
+    async def finished_tasks():
+        failed, cancelled = asyncio.create_task(failing()), asyncio.create_task(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(failed, cancelled, return_exceptions=True)
+        return failed, cancelled
+
+    failed, cancelled = asyncio.run(finished_tasks())
+    state = State()
+    _exit_if_it_failed(cancelled, state)  # the lifespan's own cancellation at shutdown
+    assert state.exit_code is None
+    _exit_if_it_failed(failed, state)
+    assert state.exit_code == 1

@@ -32,6 +32,14 @@ from asrserve.entrypoints.serving_transcription import add_transcription_routes
 logger = logging.getLogger("asrserve.server")
 
 
+def _exit_if_it_failed(watcher: asyncio.Task, state: ServerState) -> None:
+    """A bug in the engine watcher (its tokenizer, say) would otherwise leave the server
+    answering 503 "loading" for ever, its error in a task nobody reads."""
+    if not watcher.cancelled() and watcher.exception() is not None:
+        logger.error("the engine watcher failed", exc_info=watcher.exception())
+        state.request_exit(1)
+
+
 def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     state = ServerState(config, engine_config)
 
@@ -39,6 +47,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
         watcher = asyncio.create_task(state.watch_engine())
+        watcher.add_done_callback(lambda task: _exit_if_it_failed(task, state))
         try:
             yield
         finally:
