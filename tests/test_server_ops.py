@@ -422,3 +422,30 @@ def test_a_failed_engine_watcher_stops_the_server():
     assert state.exit_code is None
     _exit_if_it_failed(failed, state)
     assert state.exit_code == 1
+
+
+def test_a_bug_mid_stream_ends_the_stream_with_an_error_event():
+    """Not a stream cut off without a word: the client reads a server_error event."""
+    from types import SimpleNamespace
+
+    from asrserve.entrypoints.serving_transcription import _sse_events
+
+    class BrokenJob:
+        aborted = False
+
+        async def deltas(self):
+            yield "Hello"
+            raise RuntimeError("a bug")
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def events(job) -> list[str]:
+        params = SimpleNamespace(request=SimpleNamespace(include=None))
+        return [event async for event in _sse_events(None, job, params)]
+
+    job = BrokenJob()
+    sent = asyncio.run(events(job))
+    assert json.loads(sent[0][len("data: "):])["delta"] == "Hello"
+    error = json.loads(sent[-1][len("data: "):])["error"]
+    assert error["type"] == "server_error" and "bug" in error["message"] and job.aborted

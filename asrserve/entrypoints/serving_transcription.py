@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -296,6 +297,9 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
         yield _sse(_audio_error(error).body())
     except APIError as error:  # the file grew past --max-audio-in-flight-s as it was read
         yield _sse(error.body())
+    except Exception:  # a bug: the client still learns that the stream failed, as a 500 would say
+        logging.getLogger("asrserve.server").exception("a transcription stream failed")
+        yield _sse(error_body("internal server error: this is a bug in asrserve; the log has the details", "server_error"))
     finally:
         job.abort()
 
