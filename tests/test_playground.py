@@ -31,19 +31,23 @@ def test_index_links_the_playground_and_the_playground_loads_only_its_own_files(
     client = pages(served_model_names=["tiny.en", "<b>"])
     index = client.get("/")
     assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
-    assert 'href="/playground"' in index.text and "&lt;b&gt;" in index.text  # names are escaped
+    assert 'href="playground"' in index.text and "&lt;b&gt;" in index.text  # names are escaped
+    # Every link, and everything the page loads or calls, is relative: behind a reverse proxy's
+    # path prefix (/asr/playground) it stays under the prefix.
+    assert re.findall(r'href="/', index.text) == []
 
     page = client.get("/playground")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
     referenced = re.findall(r'(?:src|href)="([^"]+)"', page.text)
-    assert "/playground/playground.js" in referenced
+    assert "playground/playground.js" in referenced
     for url in referenced:
-        assert url.startswith("/"), f"{url}: the page must not load anything from elsewhere"
-        assert client.get(url).status_code == 200, url
+        assert not re.match(r"/|[a-z]+:", url), f"{url}: relative, and nothing from elsewhere"
+        assert client.get(f"/{url}").status_code == 200, url  # as the browser resolves it from /playground
     script = client.get("/playground/playground.js").text
-    assert "/playground/pcm-worklet.js" in script and "/v1/realtime?intent=transcription" in script
-    assert re.findall(r"https?://", script) == []
+    assert '"playground/pcm-worklet.js"' in script and '"v1/realtime?intent=transcription"' in script
+    assert '"v1/models"' in script and '"v1/audio/transcriptions"' in script
+    assert re.findall(r"https?://", script) == [] and re.findall(r"""["'`]/""", script) == []
     assert client.get("/playground/pcm-worklet.js").headers["content-type"].startswith("text/javascript")
     assert client.get("/playground/playground.css").headers["content-type"].startswith("text/css")
 
@@ -90,7 +94,7 @@ def speech_wav(path, audio: np.ndarray) -> None:
 
 def open_playground(browser: Browser, server) -> None:
     browser.open(f"{server.url}/")
-    browser.evaluate("document.querySelector('a[href=\"/playground\"]').click()")  # the index links it
+    browser.evaluate("document.querySelector('a[href=\"playground\"]').click()")  # the index links it
     browser.wait_for("location.pathname === '/playground' && document.readyState === 'complete'")
     browser.evaluate(f"""(() => {{ const key = document.getElementById('api-key');
         key.value = {API_KEY!r}; key.dispatchEvent(new Event('change')); }})()""")

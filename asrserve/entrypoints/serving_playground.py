@@ -41,10 +41,11 @@ def load_assets() -> dict[str, tuple[bytes, str]]:
 
 def index_page(state: ServerState) -> str:
     models = ", ".join(html.escape(name) for name in state.served_model_names)
-    links = [("/v1/models", "models (GET /v1/models)"), ("/health", "health"), ("/metrics", "metrics"),
-             ("/version", "version")]
+    # Relative: behind a reverse proxy's path prefix they stay under it.
+    links = [("v1/models", "models (GET /v1/models)"), ("health", "health"), ("metrics", "metrics"),
+             ("version", "version")]
     if state.config.playground:
-        links.insert(0, ("/playground", "playground: transcribe a file or your microphone"))
+        links.insert(0, ("playground", "playground: transcribe a file or your microphone"))
     items = "\n".join(f'<li><a href="{href}">{html.escape(text)}</a></li>' for href, text in links)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>asrserve</title></head>

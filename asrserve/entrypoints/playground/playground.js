@@ -31,9 +31,10 @@ async function errorMessage(response) {
   }
 }
 
+// URLs are relative to the page, so that it works behind a reverse proxy's path prefix too.
 async function loadModels() {
   const select = $("model");
-  const response = await fetch("/v1/models", { headers: authHeaders() });
+  const response = await fetch("v1/models", { headers: authHeaders() });
   if (!response.ok) {
     setStatus("server-status", `models: ${await errorMessage(response)}`, true);
     return;
@@ -44,7 +45,29 @@ async function loadModels() {
   if (data.some((model) => model.id === chosen)) select.value = chosen;
   const ready = data.every((model) => model.ready);
   setStatus("server-status", ready ? "ready" : "loading the model…");
-  if (!ready) setTimeout(loadModels, 1000);
+  if (!ready) setTimeout(pollModels, 1000);
+}
+
+// Until the model is ready, and while the server cannot be reached (restarting, say).
+function pollModels() {
+  loadModels().catch((error) => {
+    setStatus("server-status", `server unreachable (${error.message}); retrying`, true);
+    setTimeout(pollModels, 2000);
+  });
+}
+
+// A control that is a span or a cell: reachable with Tab, Enter or Space plays from it.
+function playable(element, start) {
+  element.tabIndex = 0;
+  element.setAttribute("role", "button");
+  element.addEventListener("click", () => playFrom(start));
+  element.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" || event.key === " ") {
+      event.preventDefault();
+      playFrom(start);
+    }
+  });
+  return element;
 }
 
 // --- a file: verbose_json with segment and word timestamps ------------------------------
@@ -66,8 +89,7 @@ function wordElement(word) {
   span.dataset.end = word.end;
   span.title = `${seconds(word.start)}–${seconds(word.end)} s`;
   span.append(word.word.trim(), Object.assign(document.createElement("small"), { textContent: seconds(word.start) }));
-  span.addEventListener("click", () => playFrom(word.start));
-  return span;
+  return playable(span, word.start);
 }
 
 // Words are listed beside the segments (OpenAI's verbose_json): each goes to the segment its
@@ -77,14 +99,16 @@ function segmentRows(segments, words) {
     const row = document.createElement("tr");
     const start = Object.assign(document.createElement("td"), { className: "time", textContent: seconds(segment.start) });
     const end = Object.assign(document.createElement("td"), { className: "time", textContent: seconds(segment.end) });
-    start.addEventListener("click", () => playFrom(segment.start));
+    playable(start, segment.start);
     const text = document.createElement("td");
     const last = index === segments.length - 1;
     const inside = words.filter((word) => {
       const middle = (word.start + word.end) / 2;
       return middle >= segment.start && (middle < segment.end || last);
     });
-    if (inside.length > 0) text.append(...inside.flatMap((word) => [wordElement(word), " "])); // spaces: lines wrap
+    // A space where the next word begins with one (lines wrap there); "self" "-substantial" stay joined.
+    const spaced = (word, i) => (i + 1 < inside.length && inside[i + 1].word.startsWith(" ") ? [wordElement(word), " "] : [wordElement(word)]);
+    if (inside.length > 0) text.append(...inside.flatMap(spaced));
     else text.textContent = segment.text;
     row.append(start, end, text);
     return row;
@@ -116,7 +140,7 @@ async function transcribeFile() {
   setStatus("upload-status", "transcribing…");
   const started = performance.now();
   try {
-    const response = await fetch("/v1/audio/transcriptions", { method: "POST", headers: authHeaders(), body: form });
+    const response = await fetch("v1/audio/transcriptions", { method: "POST", headers: authHeaders(), body: form });
     if (!response.ok) {
       setStatus("upload-status", await errorMessage(response), true);
       return;
@@ -218,7 +242,7 @@ async function startCapture(session) {
     session.context = new AudioContext();
     source = session.context.createMediaStreamSource(session.stream);
   }
-  await session.context.audioWorklet.addModule("/playground/pcm-worklet.js");
+  await session.context.audioWorklet.addModule("playground/pcm-worklet.js");
   const capture = new AudioWorkletNode(session.context, "pcm16-capture", {
     processorOptions: { targetRate: LIVE_RATE },
   });
@@ -232,27 +256,33 @@ async function startCapture(session) {
   await session.context.resume();
 }
 
+// Called on Stop, on close and after a capture that started too late: each part once.
 function stopCapture(session) {
   if (session.stream) session.stream.getTracks().forEach((track) => track.stop());
-  if (session.context) session.context.close();
+  if (session.context && session.context.state !== "closed") session.context.close().catch(() => {});
+  session.stream = session.context = null;
 }
 
 async function startLive() {
   const protocols = ["realtime"];
   if (apiKey()) protocols.push(`openai-insecure-api-key.${apiKey()}`);
-  const scheme = location.protocol === "https:" ? "wss" : "ws";
-  const socket = new WebSocket(`${scheme}://${location.host}/v1/realtime?intent=transcription`, protocols);
-  const session = { socket, stream: null, context: null, pending: new Set(), stopping: false };
+  const url = new URL("v1/realtime?intent=transcription", location.href);
+  url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+  const socket = new WebSocket(url, protocols);
+  const session = { socket, stream: null, context: null, pending: new Set(), stopping: false, opened: false, closed: false };
   live = session;
   $("live").textContent = "Stop";
   setStatus("live-status", "connecting…");
   socket.onmessage = (message) => onLiveEvent(session, JSON.parse(message.data));
   socket.onclose = (event) => {
+    session.closed = true;
     stopCapture(session);
     if (live === session) endLive();
     if (!session.stopping) {
-      // A refused handshake shows as 1006 with no reason: a wrong key or model, or the server is busy.
-      const why = event.reason || (event.code === 1006 ? "refused or lost (is the API key right?)" : `code ${event.code}`);
+      // A refused handshake shows as 1006 with no reason; the browser does not say why.
+      const why = event.reason || (!session.opened
+        ? "could not connect: the server is down, or refused the API key or this page's origin (--allowed-origins)"
+        : event.code === 1012 ? "the server is restarting" : event.code === 1006 ? "connection lost" : `code ${event.code}`);
       setStatus("live-status", `connection closed: ${why}`, true);
     } else {
       setStatus("live-status", "stopped");
@@ -262,6 +292,11 @@ async function startLive() {
     socket.onopen = resolve;
     socket.onerror = () => reject(new Error("could not connect"));
   });
+  session.opened = true;
+  if (session.stopping) {  // Stop while it connected
+    socket.close(1000);
+    return;
+  }
   const transcription = { model: $("model").value };
   const language = $("language").value.trim();
   if (language) transcription.language = language;
@@ -285,6 +320,8 @@ async function startLive() {
     session.stopping = true;
     socket.close(1000);
   }
+  // The session may have ended while the microphone was being opened: release it then.
+  if (session.closed || session.stopping) stopCapture(session);
 }
 
 // Stop: the microphone stops at once; what was said last is committed and its transcript
@@ -315,8 +352,8 @@ function toggleLive() {
 $("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
 $("api-key").addEventListener("change", () => {
   localStorage.setItem(KEY_STORAGE, apiKey());
-  loadModels();
+  pollModels();
 });
 $("transcribe").addEventListener("click", transcribeFile);
 $("live").addEventListener("click", toggleLive);
-loadModels().catch((error) => setStatus("server-status", error.message, true));
+pollModels();
