@@ -316,7 +316,8 @@ async function startLive() {
   try {
     await startCapture(session);
   } catch (error) {
-    setStatus("live-status", `microphone: ${error.message}`, true);
+    // (A Stop or a close while the microphone opened is no microphone error.)
+    if (!session.stopping && !session.closed) setStatus("live-status", `microphone: ${error.message}`, true);
     session.stopping = true;
     socket.close(1000);
   }
