@@ -185,18 +185,16 @@ def _seek_point(
             # keep its words, give them a plausible span and decode the rest after it.
             seek_s = round((segment.start_s + 1.0 + segment.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
             return seek_s, segment.end_index, "implausible_segment", seek_s
-    last_end = segments[-1].end_s if segments else 0.0
-    keep = segments[-1].end_index if segments else 0
-    if open_index is not None:
-        # Text left open when the tokens ran out is cut mid-sentence: read it again. Text left
-        # open by <|endoftext|> is the piece's last sentence running to its end (a piece ends at
-        # a cut, not inside speech that goes on, as openai/whisper's windows do): keep it.
-        if piece.finish_reason in CUT_SHORT and segments:
-            return last_end, keep, piece.finish_reason, None
+    if not segments:
         return None
-    if piece.finish_reason == "repetition" and segments:  # (plan_continuation checks what remains)
-        return last_end, keep, "repetition", None
-    if piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S and segments:
+    last_end, keep = segments[-1].end_s, segments[-1].end_index
+    # A loop cut short is read again after its last segment (plan_continuation checks what
+    # remains); so is text left open when the tokens ran out, cut mid-sentence. Text left open
+    # by <|endoftext|> is the piece's last sentence running to its end (a piece ends at a cut,
+    # not inside speech that goes on, as openai/whisper's windows do): kept.
+    if piece.finish_reason == "repetition" or (piece.finish_reason == "length" and open_index is not None):
+        return last_end, keep, piece.finish_reason, None
+    if open_index is None and piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S:
         return last_end, keep, "early_stop", None
     return None
 

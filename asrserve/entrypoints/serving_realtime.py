@@ -52,7 +52,12 @@ class RealtimeState:
         # One thread runs every session's VAD in order: appends are small and frequent, and a
         # long upload in the preprocessing pool must not hold up a live turn's end.
         self._vad_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="realtime-vad")
-        self._vad_thread.submit(_load_vad)  # now, not in the first live session's first turn
+        # Now, not in the first live session's first turn; its outcome holds for every session.
+        self._vad_loaded = self._vad_thread.submit(_load_vad)
+
+    async def vad_error(self) -> str | None:
+        """Why live sessions cannot use server VAD here (None: they can), once it has loaded."""
+        return await asyncio.wrap_future(self._vad_loaded)
 
     async def run_vad(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._vad_thread, function, *args)
@@ -61,23 +66,17 @@ class RealtimeState:
         self._vad_thread.shutdown(wait=False, cancel_futures=True)
 
 
-def _load_vad() -> None:
-    error = _vad_error()
-    if error is not None:
-        logger.warning(
-            "Silero VAD is unavailable: %s. Uploads over 30 s cut at voice activity (the default chunking) "
-            "get a 500 (vad_unavailable), and live sessions start without server_vad turn detection", error,
-        )
-
-
-def _vad_error() -> str | None:
-    """Why the live VAD cannot run here, or None. Run on the VAD's thread: after the start-up
-    load, and quick once the model is loaded."""
+def _load_vad() -> str | None:
+    """Loads the process's VAD; returns why it cannot be loaded, or None."""
     from asrserve.audio.vad import get_vad
 
     try:
         get_vad()
     except ImportError as error:  # vad.VADUnavailableError
+        logger.warning(
+            "Silero VAD is unavailable: %s. Uploads over 30 s cut at voice activity (the default chunking) "
+            "get a 500 (vad_unavailable), and live sessions start without server_vad turn detection", error,
+        )
         return str(error)
     return None
 
@@ -187,7 +186,7 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
     session_id = new_id("sess")
     # Without the VAD a session still works, with manual commits: it says so, and refuses
     # session.updates that ask for server_vad.
-    vad_error = await realtime.run_vad(_vad_error)
+    vad_error = await realtime.vad_error()
     config = SessionConfig(model=websocket.query_params.get("model") or state.model_name,
                            **({"turn_detection": None} if vad_error is not None else {}))
     session = RealtimeSession(session_id, config, realtime.options, state.engine, state.tokenizer, send,
