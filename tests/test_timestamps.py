@@ -553,3 +553,24 @@ def test_timestamped_decoding_is_batch_and_preemption_invariant(speech_audio):
     for i, piece in alone.items():
         assert together[f"r{i}"].token_ids == piece.token_ids
         assert together[f"r{i}"].summary.token_times == pytest.approx(piece.summary.token_times, abs=0.021)
+
+
+def test_alignment_heads_a_distilled_model_kept_from_its_teacher_fall_back_to_the_default(tmp_path, speech_audio):
+    """A 2-layer decoder whose generation_config lists large-v3's heads (layers up to 25), as
+    distilled checkpoints on the hub do: word times come from the default heads; it used to
+    end the engine at the first timed step (torch.cat of no heads)."""
+    import json
+
+    from asrserve import ASR
+    from tests.hf_reference import save_random_checkpoint
+
+    save_random_checkpoint(tmp_path, 51865)
+    path = tmp_path / "generation_config.json"
+    generation = json.loads(path.read_text())
+    generation["alignment_heads"] = [[7, 0], [10, 17], [16, 1], [25, 6]]
+    path.write_text(json.dumps(generation))
+    asr = ASR(str(tmp_path), dtype="float32", device="cpu")
+    plain, timed = (asr.transcribe(speech_audio, language="en", fallback=False, max_tokens=6, word_timestamps=words)[0]
+                    for words in (False, True))
+    assert timed.error is None and plain.error is None
+    assert timed.words and "".join(word.word for word in timed.words).strip()

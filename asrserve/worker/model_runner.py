@@ -5,6 +5,7 @@ request, then sampling."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from collections import Counter
 
@@ -24,6 +25,8 @@ from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
 from asrserve.worker.sampler import Sampler, SamplerOutput, to_device
+
+logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_CAP_BYTES = 4 << 30  # default CPU pool: what max_num_seqs needs, at most 4 GiB
 
@@ -60,14 +63,21 @@ def alignment_heads_by_layer(
     heads: list[tuple[int, int]], dims, device: torch.device
 ) -> dict[int, torch.Tensor]:
     """The checkpoint's alignment heads ([layer, head] pairs) as layer -> head indices. Without
-    a list, every head of the decoder's second half, as openai/whisper defaults."""
+    a list, or with one that names heads this decoder does not have (a distilled model that
+    kept its teacher's list), every head of the decoder's second half, as openai/whisper
+    defaults."""
+    heads = sorted({(int(layer), int(head)) for layer, head in heads})
+    if any(not (0 <= layer < dims.n_text_layer and 0 <= head < dims.n_text_head) for layer, head in heads):
+        logger.warning("the checkpoint's alignment_heads name heads outside its %d decoder layers of %d heads (a "
+                       "distilled model's teacher's?): word times use the second half's heads instead",
+                       dims.n_text_layer, dims.n_text_head)
+        heads = []
     if not heads:
         second_half = range(dims.n_text_layer // 2, dims.n_text_layer)
         heads = [(layer, head) for layer in second_half for head in range(dims.n_text_head)]
     by_layer: dict[int, list[int]] = {}
-    for layer, head in sorted({(int(layer), int(head)) for layer, head in heads}):
-        if 0 <= layer < dims.n_text_layer and 0 <= head < dims.n_text_head:
-            by_layer.setdefault(layer, []).append(head)
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
     return {layer: torch.tensor(h, dtype=torch.long, device=device) for layer, h in by_layer.items()}
 
 
