@@ -54,8 +54,7 @@ def is_looping(sequence: Request, tokenizer) -> bool:
     """A sample that can no longer pass, to be ended early; only where a fallback can follow (a
     decode whose text is kept in any case runs on). Every 8th token: a loop runs on for many
     more, and the check is Python on each sequence."""
-    group = (sequence.primary or sequence).group
-    if not group.has_fallback or len(sequence.output_token_ids) % LOOP_CHECK_EVERY:
+    if len(sequence.output_token_ids) % LOOP_CHECK_EVERY or not (sequence.primary or sequence).group.has_fallback:
         return False
     return can_no_longer_pass(
         sequence.output_token_ids, tokenizer.decode, sequence.sampling_params.compression_ratio_threshold,

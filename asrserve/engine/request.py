@@ -228,7 +228,7 @@ class Request:
         self.num_preemptions = 0
         # The sampler's generator for temperature sampling (torch.Generator), made on first use.
         self.generator = None
-        self.text_started = False  # a text token of its first decode has been sent (sends_first_token)
+        self.text_started = False  # a text token of its first decode has been sent (sends_token)
 
     def new_sibling(self, request_id: str) -> "Request":
         """A sequence for another sample of this request: its audio, prompt, language and
@@ -249,7 +249,8 @@ class Request:
     def at_length_limit(self, max_model_len: int, eot: int) -> bool:
         """It may write no more: max_tokens outputs, the decoder's context full, or
         max_text_tokens text tokens (counted only where that is limited)."""
-        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+        num_outputs = len(self.output_token_ids)
+        if num_outputs >= self.max_tokens or len(self.prompt_token_ids) + num_outputs >= max_model_len:
             return True
         limit = self.max_text_tokens
         if limit is None:
@@ -272,10 +273,11 @@ class Request:
         return self._decodes_alone and self.sampling_params.stream_tokens
 
     @property
-    def sends_first_token(self) -> bool:
-        """Its first decode's tokens up to the first text token (after any timestamp), sent even
-        where tokens are not streamed: they tell the server that the text has begun, and when."""
-        return self._decodes_alone and not self.text_started
+    def sends_token(self) -> bool:
+        """Its next token is sent as it is sampled: streams_tokens, or its first decode's tokens up
+        to the first text token (after any timestamp), sent even where tokens are not streamed:
+        they tell the server that the text has begun, and when. Cheap tests first: per step."""
+        return (self.sampling_params.stream_tokens or not self.text_started) and self._decodes_alone
 
     @property
     def _decodes_alone(self) -> bool:

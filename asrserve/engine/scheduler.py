@@ -153,25 +153,29 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
         for request in scheduler_output.encoder_requests:
-            # Its cross-attention K/V is in its blocks now; the runner drops the encoder
-            # output when the next schedule hands it this id.
+            # Its cross-attention K/V is in its blocks: the next schedule tells the runner to drop it.
             self.encoder_cache.free(request.request_id)
             request.cross_kv_written = True
+        no_speech_probs = sampled.no_speech_probs  # below: Python per sequence and step, kept lean
         for index, (request, token_id, logprob) in enumerate(
             zip(scheduler_output.scheduled, sampled.token_ids, sampled.logprobs)
         ):
-            proposal = detach(request)
+            proposal = detach(request) if request.num_draft_tokens else []
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted, or dropped as a sibling, while the step ran
             request.num_computed_tokens = request.num_tokens
-            if sampled.no_speech_probs and sampled.no_speech_probs[index] is not None:
-                request.no_speech_prob = sampled.no_speech_probs[index]
+            if no_speech_probs and no_speech_probs[index] is not None:
+                request.no_speech_prob = no_speech_probs[index]
             if request.needs_language:
                 language = self.tokenizer.language_of(token_id)
                 task_tokens = self.tokenizer.task_tokens(language, request.task, request.sampling_params.timestamps)
                 if request.set_detected_language(language, math.exp(logprob), task_tokens):
                     self.block_manager.trim(request, 0)  # computed again, the previous text first
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
+                continue
+            if not proposal and not request.draft_token_ids:  # one new token, no draft to move
+                alignment = sampled.alignment_scores[index] if request.sampling_params.word_timestamps else None
+                outputs += self._append(request, token_id, logprob, alignment)[1]
                 continue
             for token, token_logprob, alignment in self.drafts.settle(request, proposal, sampled, index):
                 request.num_computed_tokens = request.num_tokens  # a kept draft token's K/V is computed
@@ -187,14 +191,15 @@ class Scheduler:
         request.output_logprobs.append(logprob)
         if request.sampling_params.word_timestamps:
             request.alignment_scores.append(alignment)
-        if token_id == self.tokenizer.special.eot:
+        eot = self.tokenizer.special.eot
+        if token_id == eot:
             return True, self._complete(request, "stop")
-        if request.at_length_limit(self.max_model_len, self.tokenizer.special.eot):
+        if request.at_length_limit(self.max_model_len, eot):
             return True, self._complete(request, "length")
         if is_looping(request, self.tokenizer):  # cut short: if kept, the rest is read again
             return True, self._complete(request, "repetition")
-        if request.streams_tokens or request.sends_first_token:
-            request.text_started |= token_id < self.tokenizer.special.eot
+        if request.sends_token:
+            request.text_started |= token_id < eot
             return False, [RequestOutput(request.request_id, [token_id], [logprob], False, None, request.language)]
         return False, []
 
@@ -247,12 +252,8 @@ class Scheduler:
         group = (sequence.primary or sequence).group
         group.assign(key)
         sequence.sample_key = key
-        sequence.temperature = group.temperature(key)
-        sequence.sample_seed = group.seed(key)
-        sequence.generator = None
-        sequence.output_token_ids = []
-        sequence.output_logprobs = []
-        sequence.alignment_scores = []
+        sequence.temperature, sequence.sample_seed, sequence.generator = group.temperature(key), group.seed(key), None
+        sequence.output_token_ids, sequence.output_logprobs, sequence.alignment_scores = [], [], []
 
     def _restart(self, request: Request, key: tuple[int, int]) -> None:
         """The request decodes another sample over the same cross-attention K/V and prompt
