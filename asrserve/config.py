@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -243,6 +245,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be between 1 and 65535, got {self.port}")
+        # NaN passes every comparison below, and inf breaks the arithmetic behind them.
+        not_finite = [name for name in _SERVER_SECONDS_AND_SIZES if not math.isfinite(getattr(self, name))]
+        if not_finite:
+            raise ValueError(f"{', '.join(not_finite)}: must be a finite number")
+        if self.realtime_max_interim_decodes is not None and self.realtime_max_interim_decodes < 1:
+            raise ValueError("realtime_max_interim_decodes must be at least 1")
+        if self.engine_death_grace_s < 0:
+            raise ValueError("engine_death_grace_s must be >= 0")
         if self.preprocess_workers is not None and self.preprocess_workers < 1:
             raise ValueError("preprocess_workers must be at least 1")
         if min(self.max_audio_filesize_mb, self.max_audio_duration_s, self.max_audio_in_flight_s) <= 0:
@@ -257,3 +267,10 @@ class ServerConfig:
             raise ValueError("realtime_pause_ms must be positive")
         if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0 and upload_idle_timeout_s positive")
+
+
+_SERVER_SECONDS_AND_SIZES = (
+    "max_audio_filesize_mb", "max_audio_duration_s", "max_audio_in_flight_s", "engine_death_grace_s",
+    "graceful_shutdown_timeout_s", "upload_idle_timeout_s", "realtime_idle_timeout_s", "realtime_max_buffer_s",
+    "realtime_interim_interval_s", "realtime_pause_ms",
+)

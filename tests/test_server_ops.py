@@ -306,6 +306,22 @@ def test_a_model_that_cannot_load_exits_with_a_one_line_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("flag, value, named", [
+    ("--max-audio-filesize-mb", "inf", "max_audio_filesize_mb"),  # was a 500 on every upload
+    ("--graceful-shutdown-timeout-s", "nan", "graceful_shutdown_timeout_s"),  # was no drain at all
+    ("--upload-idle-timeout-s", "nan", "upload_idle_timeout_s"),
+    ("--realtime-max-interim-decodes", "-1", "realtime_max_interim_decodes"),  # was a traceback
+    ("--realtime-max-interim-decodes", "0", "realtime_max_interim_decodes"),  # was the default, silently
+])
+def test_flag_values_that_would_break_the_server_are_refused_at_start(flag, value, named):
+    result = subprocess.run(
+        [sys.executable, "-m", "asrserve", "serve", flag, value, "--port", str(free_port()), "--host", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("asrserve: error:") and named in result.stderr and "Traceback" not in result.stderr
+
+
 # --- no engine needed -----------------------------------------------------------------------
 
 

@@ -43,10 +43,13 @@ class RealtimeState:
 
     def __init__(self, state: ServerState):
         config = state.config
+        interim_slots = config.realtime_max_interim_decodes
+        if interim_slots is None:
+            interim_slots = max(1, (os.cpu_count() or 2) // 2)
         self.options = RealtimeOptions(
             interim_interval_s=config.realtime_interim_interval_s, max_buffer_s=config.realtime_max_buffer_s,
             pause_ms=config.realtime_pause_ms,
-            interim_slots=asyncio.Semaphore(config.realtime_max_interim_decodes or max(1, (os.cpu_count() or 2) // 2)),
+            interim_slots=asyncio.Semaphore(interim_slots),
         )
         self.num_sessions = 0
         # One thread runs every session's VAD in order: appends are small and frequent, and a
