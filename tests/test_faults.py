@@ -80,6 +80,15 @@ def _multipart_head(length: int) -> bytes:
     )
 
 
+def _reply(sock: socket.socket) -> bytes:
+    """Everything the server sends on the connection until it closes it."""
+    sock.settimeout(30)
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    return reply
+
+
 def test_a_client_leaving_mid_upload_frees_its_slot(server, speech_files):
     before = server.metrics()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -109,7 +118,8 @@ def test_a_stalled_upload_gets_408_and_frees_its_slot(server, speech_files):
 
 
 def test_a_client_leaving_mid_stream_frees_the_engine(server, minute_of_speech, speech_files):
-    aborted_before = server.metrics()["asrserve_engine_requests_aborted_total"]
+    before = server.metrics()
+    aborted_before = before["asrserve_engine_requests_aborted_total"]
     with httpx.stream(
         "POST", f"{server.url}/v1/audio/transcriptions", files={"file": minute_of_speech.read_bytes()},
         data={"stream": "true"}, timeout=120,
@@ -120,6 +130,9 @@ def test_a_client_leaving_mid_stream_frees_the_engine(server, minute_of_speech, 
     # Left after the first delta: both pieces' engine requests are aborted and freed.
     metrics = _engine_idle(server)
     assert metrics["asrserve_engine_requests_aborted_total"] >= aborted_before + 1
+    # Counted as the client leaving, not as a 200 (its status line had gone out as one).
+    left, ok = ('asrserve_requests_total{endpoint="transcriptions",status="%s"}' % code for code in (499, 200))
+    assert metrics.get(left, 0) == before.get(left, 0) + 1 and metrics.get(ok, 0) == before.get(ok, 0)
     assert _transcribe(server, speech_files[1]).status_code == 200
 
 
@@ -223,7 +236,9 @@ def test_sigterm_cancels_what_outlasts_the_grace_period(minute_of_speech):
                              "--max-num-seqs", "1"])
     try:
         process.wait_ready()
-        with ThreadPoolExecutor(2) as pool:
+        uploading = socket.create_connection(("127.0.0.1", process.port))
+        uploading.sendall(_multipart_head(1_000_000) + b"RIFF")  # a body still arriving at the end
+        with uploading, ThreadPoolExecutor(2) as pool:
             in_flight = pool.submit(_transcribe, process, minute_of_speech)
             streamed = pool.submit(_transcribe, process, minute_of_speech, stream="true")
             while process.metrics()["asrserve_num_requests_running"] == 0:
@@ -232,6 +247,9 @@ def test_sigterm_cancels_what_outlasts_the_grace_period(minute_of_speech):
             process.process.send_signal(signal.SIGTERM)
             assert process.process.wait(timeout=30) == 0
             stopped = time.monotonic() - signalled
+            # The upload is cut off too, with the same answer (it was a reset and a logged 500).
+            reply = _reply(uploading)
+            assert reply.startswith(b"HTTP/1.1 503") and b'"shutting_down"' in reply, reply[:300]
             # Cut off, and told so in OpenAI's shape: a client may retry on another replica.
             response = in_flight.result()
             _assert_error(response, 503, code="shutting_down")
@@ -259,6 +277,8 @@ def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(
         assert set(loading) == {503}
 
         engine_pid = process.engine_pid()
+        uploading = socket.create_connection(("127.0.0.1", process.port))
+        uploading.sendall(_multipart_head(1_000_000) + b"RIFF")  # a body still arriving when it dies
         with ThreadPoolExecutor(4) as pool:
             in_flight = [pool.submit(
                 httpx.post, f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[i].read_bytes()},
@@ -268,6 +288,7 @@ def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(
             while process.metrics().get("asrserve_num_requests_running", 0) == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
             subprocess.run(["kill", "-9", str(engine_pid)], check=True)
+            killed = time.monotonic()
             responses = [future.result() for future in in_flight]
         # The requests in flight fail cleanly instead of hanging.
         for response in responses:
@@ -291,7 +312,13 @@ def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(
                 assert health.json()["status"] == "error"
             time.sleep(0.05)
         assert seen_503
+        # No drain for the upload (nothing can finish): it is told, and the process goes soon
+        # after the 2 s of /health 503 (it waited out the 30 s grace period for the upload).
+        with uploading:
+            reply = _reply(uploading)
+        assert reply.startswith(b"HTTP/1.1 503") and b'"engine_dead"' in reply, reply[:300]
         assert process.process.wait(timeout=30) != 0
+        assert time.monotonic() - killed < 15
         assert "engine process exited unexpectedly" in process.logs()
     finally:
         process.stop()

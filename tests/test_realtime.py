@@ -344,3 +344,50 @@ def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
 
     asyncio.run(run())
     wait_for_idle_engine(server)
+
+
+def test_sigterm_ends_a_live_turn_with_its_transcript_then_closes(speech_audio, offline):
+    """uvicorn alone closes WebSockets at once on SIGTERM (1012, no word): a turn being spoken
+    was lost. Now the session is told, its open turn is committed and transcribed, then it
+    closes with a reason; the process still exits 0."""
+    import signal
+
+    process = ServerProcess(["--dtype", "float32", "--graceful-shutdown-timeout-s", "30"])
+    url = process.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
+
+    async def run():
+        async with websockets.connect(url) as socket:
+            await socket.recv()  # session.created
+            await socket.send(json.dumps({"type": "session.update", "session": {
+                "type": "transcription", "audio": {"input": {"turn_detection": None,
+                                                             "transcription": {"language": "en"}}}}}))
+            await socket.recv()  # session.updated
+            data = pcm(speech_audio[1])
+            for start in range(0, len(data), 9600):
+                chunk = base64.b64encode(data[start : start + 9600]).decode()
+                await socket.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            # An unknown event's error comes back after every append before it was handled.
+            await socket.send(json.dumps({"type": "no.such.event", "event_id": "sync"}))
+            assert json.loads(await socket.recv())["error"]["event_id"] == "sync"
+            process.process.send_signal(signal.SIGTERM)
+            events = []
+            try:
+                async for message in socket:
+                    events.append(json.loads(message))
+            except websockets.exceptions.ConnectionClosed:
+                pass
+            return events, socket.close_code, socket.close_reason
+
+    try:
+        process.wait_ready()
+        events, code, reason = asyncio.run(run())
+        assert process.process.wait(timeout=60) == 0
+    finally:
+        process.stop()
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "error" and events[0]["error"]["code"] == "shutting_down", events[:2]
+    assert kinds.index("input_audio_buffer.committed") < kinds.index(
+        "conversation.item.input_audio_transcription.completed")
+    done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert as_good_as_offline(offline, 1, done["transcript"], speech_audio[1]), done["transcript"]
+    assert (code, reason) == (1012, "the server is shutting down")

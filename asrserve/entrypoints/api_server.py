@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,7 +27,7 @@ from asrserve.entrypoints.middleware import MetricsMiddleware
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
 from asrserve.entrypoints.serving_playground import add_page_routes
-from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES, add_realtime_routes
+from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES, RealtimeState, add_realtime_routes
 from asrserve.entrypoints.serving_transcription import add_transcription_routes
 
 logger = logging.getLogger("asrserve.server")
@@ -69,7 +70,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     _add_operations_routes(app, state)
     add_models_routes(app, state)
     add_transcription_routes(app, state)
-    realtime = add_realtime_routes(app, state)
+    realtime = app.state.realtime = add_realtime_routes(app, state)
     add_page_routes(app, state)
     return app
 
@@ -100,15 +101,33 @@ def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, less one habit: after a graceful shutdown on SIGTERM it raises the signal again,
-    so the process would end "killed by SIGTERM". A drained, orderly stop is a success, and
-    orchestrators and supervisors should see exit status 0."""
+    """uvicorn, less two habits. After a graceful shutdown on SIGTERM it raises the signal
+    again, so the process would end "killed by SIGTERM": a drained, orderly stop is a success,
+    and orchestrators and supervisors should see exit status 0. And it drains HTTP requests
+    but closes WebSockets at once (1012, without a word): live sessions drain too, first."""
+
+    state: ServerState | None = None  # set by run_server
+    realtime: RealtimeState | None = None
 
     @contextlib.contextmanager
     def capture_signals(self):
         with super().capture_signals():
             yield
             self._captured_signals.clear()
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        if self.state is not None and self.state.engine.failed.is_set():
+            # Nothing in flight can finish (an upload still arriving, say): exit now, so that
+            # a supervisor restarts us, instead of after the whole grace period.
+            self.config.timeout_graceful_shutdown = 0
+        elif self.realtime is not None and self.realtime.sessions:
+            for server in self.servers:
+                server.close()  # no new connections while the sessions end their turns
+            began = time.monotonic()
+            await self.realtime.drain(grace)
+            self.config.timeout_graceful_shutdown = max(0.0, grace - (time.monotonic() - began))
+        await super().shutdown(sockets)
 
 
 def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
@@ -126,6 +145,7 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     )
     redact_keys_in_logs()  # uvicorn.Config has set logging up
     state.uvicorn_server = server
+    server.state, server.realtime = state, app.state.realtime
     display_host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
     logger.info(
         "asrserve %s serving %s at http://%s:%d (OpenAI base URL http://%s:%d/v1)",

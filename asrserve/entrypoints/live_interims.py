@@ -7,6 +7,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from asrserve.config import SAMPLE_RATE
+from asrserve.engine.async_client import EngineDeadError
 from asrserve.entrypoints import live_decode
 
 if TYPE_CHECKING:
@@ -36,11 +37,14 @@ async def interim_loop(session: RealtimeSession) -> None:
                     or any(not s.emitted.done() for s in item.segments[:-1])):
                 continue  # a final runs, too little audio, too little new, or an earlier segment pending
             segment.decoded_until = end
-            result = await live_decode.decode(
-                session.engine, session.tokenizer, session.audio.slice(segment.start, end),
-                session.config.language, session.config.prompt, segment.stable, live_decode.interim_params(),
-                previous=segment.previous,
-            )
+            try:
+                result = await live_decode.decode(
+                    session.engine, session.tokenizer, session.audio.slice(segment.start, end),
+                    session.config.language, session.config.prompt, segment.stable, live_decode.interim_params(),
+                    previous=segment.previous,
+                )
+            except EngineDeadError:
+                return  # the item's final decode reports it (its `failed` event), once
         if session.item is not item or item.segments[-1] is not segment or segment.final is not None:
             continue
         if result.no_speech:

@@ -6,6 +6,10 @@ import time
 
 from asrserve.entrypoints.metrics import ServerMetrics
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client left first"; logged, never sent
+# Set in the ASGI scope by a response the client left mid-body (its status went out as 200).
+CLIENT_CLOSED_SCOPE_KEY = "asrserve.client_closed"
+
 ENDPOINTS = {
     "/v1/audio/transcriptions": "transcriptions",
     "/v1/audio/translations": "translations",
@@ -41,6 +45,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            code = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_CLOSED_SCOPE_KEY) else status[0]
+            self.metrics.requests.labels(endpoint, str(code)).inc()
             if endpoint in ("transcriptions", "translations"):
                 self.metrics.request_latency.labels(endpoint).observe(time.monotonic() - start)

@@ -25,13 +25,7 @@ from asrserve.entrypoints.live_interims import interim_loop
 from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, sample_ms, user_item
 from asrserve.entrypoints.pieces import separator_for
 from asrserve.entrypoints.protocol import usage_duration
-from asrserve.entrypoints.realtime_protocol import (
-    InputAudioDecoder,
-    RealtimeError,
-    SessionConfig,
-    new_id,
-    server_event,
-)
+from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
 
 MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
 CUT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where a 30 s segment's cut is looked for
@@ -340,6 +334,14 @@ class RealtimeSession:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def end_for_shutdown(self) -> None:
+        """The server stops: the open turn is committed here, and this returns once every
+        committed item has its text (or has failed)."""
+        if self.item is not None and self.audio.end - self.item.start >= MIN_COMMIT_SAMPLES:
+            await self._commit({})
+        if self._last_completion is not None:
+            await asyncio.wait({self._last_completion})
 
     def close(self) -> None:
         """The client left: every decode of this session stops (its engine requests are aborted)."""

@@ -35,6 +35,7 @@ logger = logging.getLogger("asrserve.realtime")
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 MAX_EVENT_BYTES = 15 * 1024 * 1024 * 4 // 3 + 1024  # OpenAI's 15 MiB of audio per append, in base64
 CLOSE_TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded
+CLOSE_SERVICE_RESTART = 1012  # RFC 6455: the server is restarting (uvicorn's own, without a reason)
 CLOSE_POLICY = 1008
 
 
@@ -52,6 +53,8 @@ class RealtimeState:
             interim_slots=asyncio.Semaphore(interim_slots),
         )
         self.num_sessions = 0
+        self.sessions: set[LiveConnection] = set()  # open now: drained when the server stops
+        self.draining = False
         # One thread runs every session's VAD in order: appends are small and frequent, and a
         # long upload in the preprocessing pool must not hold up a live turn's end.
         self._vad_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="realtime-vad")
@@ -65,8 +68,42 @@ class RealtimeState:
     async def run_vad(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._vad_thread, function, *args)
 
+    async def drain(self, timeout_s: float) -> None:
+        """The server stops: every live session is told so, its open turn committed and its
+        committed turns transcribed, then closed (1012, "service restart"), all within timeout_s.
+        Sessions take no more events meanwhile."""
+        self.draining = True
+        connections = list(self.sessions)
+        ending = [asyncio.ensure_future(connection.end()) for connection in connections]
+        _, late = await asyncio.wait(ending, timeout=timeout_s) if ending else (set(), set())
+        for task in late:
+            task.cancel()
+        for connection in connections:
+            await connection.close(CLOSE_SERVICE_RESTART, "the server is shutting down")
+
     def shutdown(self) -> None:
         self._vad_thread.shutdown(wait=False, cancel_futures=True)
+
+
+class LiveConnection:
+    """A session and its WebSocket, as the server's shutdown sees them."""
+
+    def __init__(self, session: RealtimeSession, send, close):
+        self.session = session
+        self.send = send
+        self.close = close  # (code, reason): closes the socket, once
+        self.handling = asyncio.Lock()  # one client event at a time, and the shutdown's commit after it
+
+    async def end(self) -> None:
+        await self.send(_shutting_down().event(None))
+        async with self.handling:
+            await self.session.end_for_shutdown()
+
+
+def _shutting_down() -> RealtimeError:
+    return RealtimeError("the server is shutting down: this session takes no more events and closes once its "
+                         "committed audio is transcribed; reconnect to another replica", type="server_error",
+                         code="shutting_down")
 
 
 def _load_vad() -> str | None:
@@ -186,6 +223,17 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             except (WebSocketDisconnect, RuntimeError, OSError):
                 closed = True  # the receive loop sees the disconnect and ends the session
 
+    async def close(code: int, reason: str) -> None:
+        nonlocal closed
+        async with send_lock:
+            if closed:
+                return
+            closed = True
+            try:
+                await websocket.close(code, reason)
+            except (RuntimeError, OSError):
+                pass
+
     session_id = new_id("sess")
     # Without the VAD a session still works, with manual commits: it says so, and refuses
     # session.updates that ask for server_vad.
@@ -198,6 +246,8 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
     if vad_error is not None:
         await send(_vad_unavailable(vad_error).event(None))
     idle_timeout = state.config.realtime_idle_timeout_s
+    connection = LiveConnection(session, send, close)
+    realtime.sessions.add(connection)
     try:
         while True:
             try:
@@ -212,11 +262,16 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             event_id = None
             try:
                 event, event_id = _parse(message)
+                if realtime.draining:
+                    if event.get("type") == "input_audio_buffer.append":
+                        continue  # audio after the turn the shutdown ended
+                    raise _shutting_down()
                 if event.get("type") == "session.update":
                     _check_session(event, state)
                     if vad_error is not None and session.config.updated(event.get("session")).turn_detection:
                         raise _vad_unavailable(vad_error)
-                await session.handle(event)
+                async with connection.handling:
+                    await session.handle(event)
             except RealtimeError as error:
                 await send(error.event(event_id or error.event_id))
             except Exception:  # a bug: this event fails, the session goes on
@@ -226,6 +281,7 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
     except WebSocketDisconnect:
         return
     finally:
+        realtime.sessions.discard(connection)
         closed = True
         session.close()
 

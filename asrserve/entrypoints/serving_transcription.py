@@ -26,6 +26,7 @@ from asrserve.entrypoints.auth import authorize
 from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
 from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
 from asrserve.entrypoints.live_decode import logprob_entry
+from asrserve.entrypoints.middleware import CLIENT_CLOSED_REQUEST, CLIENT_CLOSED_SCOPE_KEY
 from asrserve.entrypoints.pieces import decode_to_the_end
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.entrypoints.protocol import (
@@ -44,7 +45,6 @@ from asrserve.errors import InvalidRequestError
 
 T = TypeVar("T")
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client left first"; logged, never sent
 
 
 def add_transcription_routes(app: FastAPI, state: ServerState) -> None:
@@ -84,13 +84,13 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
         except InvalidRequestError as error:
             raise APIError(400, str(error), param="language" if params.language else "model") from None
         job_params = TranscriptionParams(language, task, params, endpoint, arrival, state.chunking_strategy)
-        try:
-            return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
-        except asyncio.CancelledError:
-            if not state.shutting_down:
-                raise
-            # uvicorn cancels what outlasts --graceful-shutdown-timeout-s: say so, in our shape.
-            raise shutting_down_error() from None
+        return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
+    except asyncio.CancelledError:
+        if not state.shutting_down:
+            raise
+        # uvicorn cancels what outlasts --graceful-shutdown-timeout-s (an upload still arriving
+        # too), and at once where the engine died: say so, in our shape.
+        raise (engine_dead_error(state.engine.error) if state.engine.failed.is_set() else shutting_down_error()) from None
     finally:
         if not waiting.handed_off:
             waiting.release()
@@ -257,6 +257,8 @@ class _CleanupStreamingResponse(StreamingResponse):
 
         try:
             await super().__call__(scope, receive, send_and_note)
+            if not ended:  # Starlette stops a stream whose client left, and returns
+                scope[CLIENT_CLOSED_SCOPE_KEY] = True
         except asyncio.CancelledError:
             if not (started and self.shutting_down()) or ended:
                 raise  # (before the headers, the server answers 503 itself)
