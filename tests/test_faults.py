@@ -266,6 +266,26 @@ def test_sigterm_cancels_what_outlasts_the_grace_period(minute_of_speech):
         process.stop()
 
 
+def test_sigterm_while_the_model_loads_stops_at_once():
+    process = ServerProcess(["--dtype", "float32"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # up, and loading
+            try:
+                if httpx.get(f"{process.url}/health", timeout=2).status_code == 503:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        signalled = time.monotonic()
+        process.process.send_signal(signal.SIGTERM)
+        assert process.process.wait(timeout=30) == 0
+        # The engine reads no message until it has loaded: it was waited on for 5 s, then killed.
+        assert time.monotonic() - signalled < 4
+        assert "did not stop" not in process.logs()
+    finally:
+        process.stop()
+
+
 def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(speech_files):
     # The engine process takes seconds to import torch and load: /health says 503 meanwhile.
     process = ServerProcess(["--max-num-seqs", "4"])

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -320,6 +321,20 @@ def test_flag_values_that_would_break_the_server_are_refused_at_start(flag, valu
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("asrserve: error:") and named in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_busy_port_is_reported_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "asrserve", "serve", "--port", str(taken.getsockname()[1]), "--host", "127.0.0.1"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 2 and "cannot listen on 127.0.0.1:" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "engine" not in result.stderr
+    assert time.monotonic() - started < 5  # (it loaded the model first, then exited 3)
 
 
 # --- no engine needed -----------------------------------------------------------------------

@@ -145,6 +145,8 @@ class AsyncEngineClient:
         self._outbox.put(("shutdown",))
         self._outbox.put(None)  # stops the sender thread
         with self._join_lock:
+            if not self.ready.is_set():  # still loading: nothing to finish, and no message read until loaded
+                self._process.kill()
             self._process.join(timeout)
             if self._process.is_alive():
                 logger.warning("the engine process did not stop within %.0f s; killing it", timeout)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -130,8 +132,24 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, found before the model loads (uvicorn
+    binds after its start-up: seconds of loading, then exit 3)."""
+    try:
+        for family, kind, protocol, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind, protocol) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+                probe.bind(address)
+    except OSError as error:
+        return f"cannot listen on {host}:{port}: {error.strerror or error}"
+    return None
+
+
 def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     """Serves until interrupted; returns the process exit status."""
+    if (reason := _cannot_listen(config.host, config.port)) is not None:
+        print(f"asrserve: error: {reason}", file=sys.stderr)
+        return 2
     app = build_app(config, engine_config)
     state: ServerState = app.state.asr
     server = GracefulServer(
