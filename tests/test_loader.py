@@ -193,6 +193,37 @@ def test_corrupt_safetensors(tmp_path):
     assert "\n" not in str(error.value)
 
 
+def _edit_json(path, **changes):
+    import json
+
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("spoil, message", [
+    # transformers built a one-token tokenizer, which was then blamed on the weights
+    (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer in .*: it needs tokenizer.json, or vocab.json and merges"),
+    (lambda d: (d / "config.json").write_text("{'d_model': 64}"), r"config.json is not valid JSON"),  # unnamed
+    (lambda d: _edit_json(d / "config.json", vocab_size=None), r"config.json has no vocab_size"),  # was "'vocab_size'"
+    # was 12,874 characters listing every tensor
+    (lambda d: _edit_json(d / "config.json", d_model=128), r"the weights do not match the model's config: size "
+     r"mismatch for \S+: .* \(and \d+ more\)$"),
+])
+def test_a_checkpoint_that_cannot_load_says_what_is_wrong(tmp_path, spoil, message):
+    from tests.hf_reference import save_random_checkpoint
+
+    save_random_checkpoint(tmp_path, 51865)
+    spoil(tmp_path)
+    with pytest.raises(ModelLoadError, match=message) as error:
+        load(str(tmp_path))
+    assert "\n" not in str(error.value) and len(str(error.value)) < 400
+
+
 def test_hub_id_offline_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="could not download 'someone/whisper-unknown'") as error:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from asrserve.config import DEFAULT_MODEL, ModelConfig
 from asrserve.errors import ModelLoadError
 from asrserve.model import ctranslate2
-from asrserve.model.sizes import HUB_REPOS, SHORT_NAMES, canonical_name, standard_dims
+from asrserve.model.sizes import HUB_REPOS, SHORT_NAMES, canonical_name, dims_from_hf_config, read_json, standard_dims
 from asrserve.model.tokenizer import WhisperTokenizer
 from asrserve.model.whisper import Whisper, WhisperDims
 
@@ -183,10 +184,10 @@ def _hf_weight_files(path: Path) -> list[Path]:
 
 def _load_hf(checkpoint: _Checkpoint, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     path = checkpoint.directories[0]
-    config = json.loads((path / "config.json").read_text())
+    config = read_json(path / "config.json")
     if config.get("model_type", "whisper") != "whisper":
         raise ModelLoadError(f"{path} holds a {config['model_type']} model, not Whisper")
-    dims = _dims_from_hf_config(config)
+    dims = dims_from_hf_config(config, path / "config.json")
     state_dict: dict[str, torch.Tensor] = {}
     for weight_file in _hf_weight_files(path):
         if weight_file.suffix == ".safetensors":
@@ -196,7 +197,7 @@ def _load_hf(checkpoint: _Checkpoint, device: torch.device, dtype: torch.dtype) 
         else:
             state_dict |= torch.load(weight_file, map_location="cpu", weights_only=True)
     generation_path = path / "generation_config.json"
-    generation_config = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    generation_config = read_json(generation_path) if generation_path.is_file() else {}
     tokenizer = WhisperTokenizer.from_dir(path, dims.n_vocab)
     settings = GenerationSettings(
         suppress_tokens=_first_list(generation_config, config, "suppress_tokens"),
@@ -212,22 +213,6 @@ def _first_list(primary: dict, fallback: dict, key: str) -> list[int] | None:
     if value is None:
         value = fallback.get(key)
     return list(value) if value is not None else None
-
-
-def _dims_from_hf_config(config: dict) -> WhisperDims:
-    d_model = config.get("d_model", 1280)
-    return WhisperDims(
-        n_mels=config.get("num_mel_bins", 80),
-        n_audio_ctx=config.get("max_source_positions", 1500),
-        n_audio_state=d_model,
-        n_audio_head=config.get("encoder_attention_heads", 20),
-        n_audio_layer=config.get("encoder_layers", 32),
-        n_vocab=config["vocab_size"],
-        n_text_ctx=config.get("max_target_positions", 448),
-        n_text_state=d_model,
-        n_text_head=config.get("decoder_attention_heads", 20),
-        n_text_layer=config.get("decoder_layers", 32),
-    )
 
 
 def _load_ct2(checkpoint: _Checkpoint, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -262,7 +247,14 @@ def _load_ct2(checkpoint: _Checkpoint, device: torch.device, dtype: torch.dtype)
 def _build(dims: WhisperDims, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Whisper:
     with torch.device("meta"):
         model = Whisper(dims)
-    model.load_hf_state_dict({name: tensor.to(device=device, dtype=dtype) for name, tensor in state_dict.items()})
+    try:
+        model.load_hf_state_dict({name: tensor.to(device=device, dtype=dtype) for name, tensor in state_dict.items()})
+    except RuntimeError as error:  # torch lists every tensor: one line for each, thousands of characters
+        mismatches = re.findall(r"size mismatch for [^\n]*?current model is [^\n]*?\)", str(error))
+        if not mismatches:
+            raise
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        raise ModelLoadError(f"the weights do not match the model's config: {mismatches[0]}{more}") from None
     return model.eval()
 
 
@@ -288,7 +280,7 @@ def _load_dummy(model: str | None, device: torch.device, dtype: torch.dtype) -> 
     name = model or DEFAULT_MODEL
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
-        dims = _dims_from_hf_config(json.loads((path / "config.json").read_text()))
+        dims = dims_from_hf_config(read_json(path / "config.json"), path / "config.json")
     elif (short := canonical_name(name)) is not None:
         dims = standard_dims(short)
     else:

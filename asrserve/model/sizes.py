@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from asrserve.errors import ModelLoadError
 from asrserve.model.whisper import WhisperDims
 
 ENGLISH_VOCAB, MULTILINGUAL_VOCAB, V3_VOCAB = 51864, 51865, 51866
@@ -52,4 +56,31 @@ def standard_dims(name: str) -> WhisperDims:
         n_text_state=d_model,
         n_text_head=heads,
         n_text_layer=decoder_layers,
+    )
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
+
+
+def dims_from_hf_config(config: dict, path: Path) -> WhisperDims:
+    """A Hugging Face config.json's architecture (transformers' defaults where a key is absent,
+    but the vocabulary's size, which decides the special tokens)."""
+    if "vocab_size" not in config:
+        raise ModelLoadError(f"{path} has no vocab_size")
+    d_model = config.get("d_model", 1280)
+    return WhisperDims(
+        n_mels=config.get("num_mel_bins", 80),
+        n_audio_ctx=config.get("max_source_positions", 1500),
+        n_audio_state=d_model,
+        n_audio_head=config.get("encoder_attention_heads", 20),
+        n_audio_layer=config.get("encoder_layers", 32),
+        n_vocab=config["vocab_size"],
+        n_text_ctx=config.get("max_target_positions", 448),
+        n_text_state=d_model,
+        n_text_head=config.get("decoder_attention_heads", 20),
+        n_text_layer=config.get("decoder_layers", 32),
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from asrserve.errors import ModelLoadError
 from asrserve.model.languages import LANGUAGES
 
 NUM_TIMESTAMP_TOKENS = 1501  # <|0.00|> ... <|30.00|> in steps of 0.02 s
@@ -75,7 +76,10 @@ class WhisperTokenizer:
         tokenizer_json = path / "tokenizer.json"
         if tokenizer_json.is_file():
             return cls(Tokenizer.from_file(str(tokenizer_json)), vocab_size)
-        # vocab.json + merges.txt only: let transformers assemble the fast tokenizer.
+        # vocab.json + merges.txt only: let transformers assemble the fast tokenizer (without
+        # them it builds a one-token tokenizer, which would be blamed on the weights).
+        if not ((path / "vocab.json").is_file() and (path / "merges.txt").is_file()):
+            raise ModelLoadError(f"no tokenizer in {path}: it needs tokenizer.json, or vocab.json and merges.txt")
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(path)).backend_tokenizer, vocab_size)
