@@ -301,6 +301,26 @@ def test_max_completion_tokens_keeps_word_times(server, speech_files):
             assert abs(word["start"] - reference["start"]) < 0.3, (limit, capped, full)
 
 
+def test_max_completion_tokens_cut_segment_ends_where_it_did(server, speech_files):
+    """A segment cut at the limit keeps its own end (it ran to the end of the piece: 0-11 s
+    for five words of an 11 s clip), in verbose_json and in subtitles."""
+    def segments(**fields) -> list[dict]:
+        response = _post(server, files={"file": speech_files[6].read_bytes()},
+                         data={"response_format": "verbose_json", **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["segments"]
+
+    full = segments()
+    capped = segments(max_completion_tokens="3")
+    assert len(capped) == 1 and capped[0]["start"] == full[0]["start"]
+    assert capped[0]["end"] == full[0]["end"] and full[0]["text"].startswith(capped[0]["text"])
+    assert capped[0]["tokens"][-1] == full[0]["tokens"][-1]  # its closing timestamp
+    subtitles = _post(server, files={"file": speech_files[6].read_bytes()},
+                      data={"response_format": "srt", "max_completion_tokens": "3"}).text
+    end = full[0]["end"]
+    assert f"--> 00:00:{int(end):02d},{round(end % 1 * 1000):03d}" in subtitles, (subtitles, end)
+
+
 def test_include_logprobs(client, server, speech_files, long_speech):
     """OpenAI's include[]=logprobs: each text token with its log-probability, in the json body
     and, streamed, in each delta (the tokens its text came from) and the done event; json only."""

@@ -39,7 +39,9 @@ class PieceResult:
         return self.summary is not None and self.summary.no_speech
 
     def truncate_text(self, max_text_tokens: int, eot: int) -> None:
-        """Keeps the tokens up to the max_text_tokens-th text token (max_completion_tokens)."""
+        """Keeps the tokens up to the max_text_tokens-th text token (max_completion_tokens). A
+        segment cut short keeps its closing timestamp: it ended there (without it, it would
+        run to the end of the piece)."""
         kept, num_text = [], 0
         for token in self.token_ids:
             if token < eot:
@@ -47,8 +49,13 @@ class PieceResult:
                     break
                 num_text += 1
             kept.append(token)
-        del self.token_ids[len(kept):]
-        del self.logprobs[len(kept):]
+        cut = len(kept)
+        closing = next((i for i in range(cut, len(self.token_ids)) if self.token_ids[i] > eot), None)
+        if kept and kept[-1] < eot and closing is not None:
+            self.token_ids[cut], self.logprobs[cut] = self.token_ids[closing], self.logprobs[closing]
+            cut += 1
+        del self.token_ids[cut:]
+        del self.logprobs[cut:]
 
     def num_text_tokens(self, eot: int) -> int:
         return sum(1 for token in self.token_ids if token < eot)
@@ -66,10 +73,11 @@ def long_form_params(params: SamplingParams, duration_s: float) -> SamplingParam
 
 def decode_to_the_end(params: SamplingParams) -> SamplingParams:
     """What the engine decodes for a request whose text is cut at params.max_tokens: with
-    word timestamps, each piece to its end, the cut made after (PieceResult.truncate_text).
-    Word times align a decode up to its end, and one stopped at the limit has none: its few
-    words were spread over the whole piece."""
-    if params.word_timestamps and params.max_tokens is not None and not params.ignore_eos:
+    timestamps, each piece to its end, the cut made after (PieceResult.truncate_text). A
+    decode stopped at the limit has no closing timestamp for its last segment (which then
+    ran to the end of the piece: 0-11 s for jfk's first five words), and word times align a
+    decode up to its end (its few words were spread over the whole piece)."""
+    if params.timestamps and params.max_tokens is not None and not params.ignore_eos:
         return replace(params, max_tokens=None)
     return params
 
