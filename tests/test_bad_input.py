@@ -319,3 +319,11 @@ def test_bad_input_while_streaming(server, speech, then_good):
     _assert_error(_post(server, files={"file": ("x.wav", b"not audio")}, data={"stream": "true"}), 400, "file")
     _assert_error(_post(server, files={"file": ("a.wav", speech)}, data={"stream": "true", "temperature": "2"}),
                   400, "temperature")
+
+
+def test_validation_messages_name_their_field_once():
+    from asrserve.entrypoints.protocol import validation_error
+
+    for param, kind in (("response_format", "literal_error"), ("include", "literal_error"), ("seed", "int_parsing")):
+        body = validation_error([{"type": kind, "loc": ("body", param), "msg": "invalid"}]).body()["error"]
+        assert body["param"] == param and body["message"].count(param) == 1, body

@@ -33,6 +33,7 @@ def vad_unavailable_error(error: Exception) -> APIError:
     return APIError(
         500, f"this server cannot cut long audio at voice activity: {error}. Send "
         "chunking_strategy=energy to cut it at quiet points instead", type="server_error", code="vad_unavailable",
+        headers={"x-should-retry": "false"},  # OpenAI's SDKs retry a 500 twice, uploading again: this one stays
     )
 
 

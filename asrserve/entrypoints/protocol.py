@@ -100,14 +100,14 @@ def validation_error(errors) -> APIError:
     first = errors[0]
     location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
     param = location[0] if location else None
-    message = first.get("msg", "invalid request")
-    if first["type"] == "literal_error" and param == "response_format":
+    message = f"{param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid request")
+    if first["type"] == "literal_error" and param == "response_format":  # ours name their field
         message = f"response_format must be one of {', '.join(RESPONSE_FORMATS)}"
     elif first["type"] == "literal_error" and param == "timestamp_granularities":
         message = "timestamp_granularities[] must be 'word' or 'segment'"
     elif first["type"] == "literal_error" and param == "include":
         message = "include[] may only be 'logprobs'"
-    return APIError(400, f"{param}: {message}" if param else message, param=param)
+    return APIError(400, message, param=param)
 
 
 def usage_duration(seconds: float) -> dict[str, Any]:
