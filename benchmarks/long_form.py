@@ -2,7 +2,7 @@
 on the same weights (the bundled tiny.en and base CTranslate2 checkpoints).
 
     pip install -e '.[bench]'
-    python benchmarks/long_form.py [--models tiny.en,base] [--sets real-en,espeak-en,...]
+    python benchmarks/long_form.py [--models tiny.en,base] [--sets real-en,espeak-en,...] [--layout-seed 0]
         [--systems ...] [--repeats 1] [--save-result long_form.json]
 
 Sets (built deterministically at start-up as 16 kHz float32 wav files in a temporary folder;
@@ -299,12 +299,15 @@ def mostly_silence(directory: Path, rng_seed: int = 0) -> list[dict]:
     return files
 
 
-def build_sets(names: list[str], directory: Path) -> dict[str, list[dict]]:
+def build_sets(names: list[str], directory: Path, layout_seed: int = 0) -> dict[str, list[dict]]:
     """Writes each set's files as float32 wav under directory/<set>/ and returns set -> files
-    (name, file, language, reference, seconds, layout). Sets that cannot be built are left out."""
+    (name, file, language, reference, seconds, layout). Sets that cannot be built are left out.
+    layout_seed draws other pauses, room tone, orders and voices: the same kind of set, laid
+    out anew (0: the sets of docs/benchmarks.md)."""
     builders = {
-        "real-en": real_en, "real-multi": real_multi,
-        "espeak-en": lambda: espeak_en(directory), "mostly-silence": lambda: mostly_silence(directory),
+        "real-en": lambda: real_en(layout_seed), "real-multi": lambda: real_multi(layout_seed),
+        "espeak-en": lambda: espeak_en(directory, layout_seed),
+        "mostly-silence": lambda: mostly_silence(directory, layout_seed),
     }
     sets = {}
     for name in names:
@@ -705,6 +708,8 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per set; the median is reported")
     parser.add_argument("--seed", type=int, default=0, help="seeds the fallback's sampling in every worker")
+    parser.add_argument("--layout-seed", type=int, default=0,
+                        help="builds the sets with other pauses, room tone and orders (0: the documented sets)")
     parser.add_argument("--transformers-batch", type=int, default=4, help="files per transformers generate call")
     parser.add_argument("--asrserve-dtype", default="auto",
                         help="asrserve's dtype: auto (what users get: bfloat16 where the CPU computes it) or float32")
@@ -737,7 +742,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="long_form-") as tmp:
         directory = args.keep_audio or Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
-        sets = build_sets(set_names, directory)
+        sets = build_sets(set_names, directory, args.layout_seed)
         (directory / "sets.json").write_text(json.dumps(sets, indent=1))
         for name, files in sets.items():
             listing = ", ".join(f"{f['name']} {f['seconds']:.0f} s" for f in files)
@@ -762,7 +767,7 @@ def rescore(path: Path) -> None:
     saved = json.loads(path.read_text())
     names = [name for name in SETS if name in saved["sets"]]
     with tempfile.TemporaryDirectory(prefix="long_form-") as tmp:
-        sets = build_sets(names, Path(tmp))
+        sets = build_sets(names, Path(tmp), saved.get("layout_seed", 0))
     for name, files in sets.items():
         if [f["reference"] for f in files] != [f["reference"] for f in saved["sets"][name]]:
             sys.exit(f"{name}: the rebuilt set differs from the saved one")
@@ -783,7 +788,8 @@ def save(args, results: list[dict], sets: dict) -> None:
     args.save_result.parent.mkdir(parents=True, exist_ok=True)
     args.save_result.write_text(json.dumps({
         "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "versions": versions(),
-        "repeats": args.repeats, "seed": args.seed, "command": " ".join(sys.argv),
+        "repeats": args.repeats, "seed": args.seed, "layout_seed": args.layout_seed,
+        "command": " ".join(sys.argv),
         "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ},
         "sets": {name: [{k: v for k, v in f.items() if k != "file"} for f in files] for name, files in sets.items()},
         "results": results,
