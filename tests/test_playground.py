@@ -142,6 +142,36 @@ def test_a_file_uploaded_in_the_playground_shows_its_transcript_segments_and_wor
     assert shown["status"].startswith(f"{api['duration']:.1f} s of {api['language']} in ")
 
 
+@pytest.mark.slow
+def test_the_playground_sends_its_task_and_prompt(chromium, server, speech_audio, tmp_path):
+    path = tmp_path / "one sentence.wav"
+    speech_wav(path, speech_audio[1])
+    browser = Browser(chromium)
+    try:
+        open_playground(browser, server)
+        browser.evaluate("""(() => { const send = window.fetch; window.sent = [];
+            window.fetch = (url, options) => {  // what each upload asked for, its file aside
+                if (options && options.body instanceof FormData)
+                    window.sent.push([String(url), [...options.body.entries()].filter(([k]) => k !== 'file')]);
+                return send(url, options); }; })()""")
+        browser.set_files("#file", path)
+        browser.evaluate("""(() => { document.getElementById('prompt').value = 'Harvard sentences.';
+            document.getElementById('task').value = 'translate';
+            document.getElementById('transcribe').click(); })()""")
+        # tiny.en is English-only: the server's refusal is shown as it said it
+        refused = browser.wait_for("""(() => { const s = document.getElementById('upload-status');
+            return s.classList.contains('error') && s.textContent; })()""", timeout=60)
+        browser.evaluate("""(() => { document.getElementById('task').value = 'transcribe';
+            document.getElementById('transcribe').click(); })()""")
+        browser.wait_for("document.getElementById('upload-status').textContent.includes(' in ')", timeout=60)
+        sent = browser.evaluate("window.sent")
+    finally:
+        browser.close()
+    assert "cannot translate" in refused
+    assert [url for url, _ in sent] == ["v1/audio/translations", "v1/audio/transcriptions"]
+    assert all(["prompt", "Harvard sentences."] in fields for _, fields in sent), sent
+
+
 def _transcribe(server, path) -> dict:
     with open(path, "rb") as f:
         response = httpx.post(

@@ -129,6 +129,9 @@ async function transcribeFile() {
   form.append("timestamp_granularities[]", "word");
   const language = $("language").value.trim();
   if (language) form.append("language", language);
+  const prompt = $("prompt").value.trim();
+  if (prompt) form.append("prompt", prompt);
+  const endpoint = $("task").value === "translate" ? "v1/audio/translations" : "v1/audio/transcriptions";
 
   const player = $("player");
   if (player.src) URL.revokeObjectURL(player.src);
@@ -140,7 +143,7 @@ async function transcribeFile() {
   setStatus("upload-status", "transcribing…");
   const started = performance.now();
   try {
-    const response = await fetch("v1/audio/transcriptions", { method: "POST", headers: authHeaders(), body: form });
+    const response = await fetch(endpoint, { method: "POST", headers: authHeaders(), body: form });
     if (!response.ok) {
       setStatus("upload-status", await errorMessage(response), true);
       return;
@@ -300,6 +303,8 @@ async function startLive() {
   const transcription = { model: $("model").value };
   const language = $("language").value.trim();
   if (language) transcription.language = language;
+  const prompt = $("prompt").value.trim();
+  if (prompt) transcription.prompt = prompt;
   socket.send(JSON.stringify({
     type: "session.update",
     session: {
