@@ -391,3 +391,88 @@ def test_sigterm_ends_a_live_turn_with_its_transcript_then_closes(speech_audio, 
     done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
     assert as_good_as_offline(offline, 1, done["transcript"], speech_audio[1]), done["transcript"]
     assert (code, reason) == (1012, "the server is shutting down")
+
+
+def _sigterm_after(process: ServerProcess, client) -> tuple[object, float]:
+    """Runs `client(url, signal_now)` against a fresh server; returns what it returned and how
+    long the server took to exit after the signal."""
+    import signal
+
+    signalled = []
+
+    def signal_now() -> None:
+        signalled.append(time.monotonic())
+        process.process.send_signal(signal.SIGTERM)
+
+    try:
+        process.wait_ready()
+        result = client(process.url.replace("http", "ws") + "/v1/realtime?intent=transcription", signal_now)
+        assert process.process.wait(timeout=60) == 0
+        return result, time.monotonic() - signalled[0]
+    finally:
+        process.stop()
+
+
+def test_sigterm_with_no_grace_fails_the_turn_it_committed(speech_audio):
+    """Every committed item gets `completed` or `failed`: with no time to decode, `failed`."""
+    async def run(url, signal_now):
+        async with websockets.connect(url) as socket:
+            await socket.recv()
+            await socket.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"turn_detection": None, "transcription": {"language": "en"}}}}}))
+            await socket.recv()
+            chunk = base64.b64encode(pcm(speech_audio[1])).decode()
+            await socket.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            await socket.send(json.dumps({"type": "no.such.event", "event_id": "sync"}))
+            await socket.recv()
+            signal_now()
+            events = []
+            try:
+                async for message in socket:
+                    events.append(json.loads(message))
+            except websockets.exceptions.ConnectionClosed:
+                pass
+            return events, socket.close_code
+
+    process = ServerProcess(["--dtype", "float32", "--graceful-shutdown-timeout-s", "0"])
+    (events, code), _ = _sigterm_after(process, lambda url, signal_now: asyncio.run(run(url, signal_now)))
+    committed = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"]
+    ended = [e["item_id"] for e in events if e["type"].endswith(("transcription.completed", "transcription.failed"))]
+    assert code == 1012 and committed == ended, events
+
+
+def test_a_client_that_reads_nothing_does_not_hold_up_shutdown():
+    """Its sends stay stuck (the socket's buffers full): the drain leaves it to uvicorn after
+    the grace period instead of waiting on it for ever."""
+    import os
+    import socket as sockets
+
+    def client(url, signal_now):
+        port = int(url.split(":")[2].split("/")[0])
+        connection = sockets.create_connection(("127.0.0.1", port))
+        connection.setsockopt(sockets.SOL_SOCKET, sockets.SO_RCVBUF, 4096)
+        connection.sendall(f"GET /v1/realtime?intent=transcription HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                           "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                           "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += connection.recv(1)
+        assert b" 101 " in head, head
+        payload = json.dumps({"type": "no.such.event", "event_id": "x" * 500}).encode()
+        mask = os.urandom(4)
+        frame = bytes([0x81, 0x80 | 126]) + len(payload).to_bytes(2, "big") + mask + bytes(
+            b ^ mask[i % 4] for i, b in enumerate(payload))
+        connection.setblocking(False)
+        for _ in range(60_000):  # each answered with an error event this client never reads
+            try:
+                connection.sendall(frame)
+            except BlockingIOError:
+                break
+        time.sleep(3)
+        signal_now()
+        return connection
+
+    process = ServerProcess(["--dtype", "float32", "--graceful-shutdown-timeout-s", "2"])
+    connection, stopped = _sigterm_after(process, client)
+    connection.close()
+    assert stopped < 15, stopped  # 2 s of grace, 1 s for the closes, the engine's own shutdown

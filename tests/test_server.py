@@ -287,15 +287,18 @@ def test_max_completion_tokens_keeps_word_times(server, speech_files):
     """Word times align a decode up to its end: cut at the limit they were spread over the
     whole audio ("And" at 6.9 s of an 11 s clip). Each piece decodes to its end, cut after."""
     def words(**fields) -> list[dict]:
-        data = {"response_format": "verbose_json", "timestamp_granularities[]": "word", **fields}
+        data = {"response_format": "verbose_json", "timestamp_granularities[]": ["word", "segment"], **fields}
         response = _post(server, files={"file": speech_files[6].read_bytes()}, data=data)
         assert response.status_code == 200, response.text
+        words.segments = response.json()["segments"]
         return response.json()["words"]
 
     full = words()
     for limit in (3, 8):
         capped = words(max_completion_tokens=str(limit))
         assert 1 <= len(capped) <= limit
+        # the cut segment ends with its last word, not at the end of the segment it was cut from
+        assert words.segments[-1]["end"] == max(capped[-1]["end"], words.segments[-1]["start"] + 0.02)
         assert [w["word"] for w in capped[:-1]] == [w["word"] for w in full[: len(capped) - 1]]
         for word, reference in zip(capped, full):
             assert abs(word["start"] - reference["start"]) < 0.3, (limit, capped, full)

@@ -337,6 +337,19 @@ def test_a_busy_port_is_reported_before_the_model_loads():
     assert time.monotonic() - started < 5  # (it loaded the model first, then exited 3)
 
 
+def test_the_port_check_takes_ipv6_beside_an_ipv4_listener_as_asyncio_does():
+    from asrserve.entrypoints.api_server import _cannot_listen
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _cannot_listen("::", port) is None  # asyncio binds IPv6 sockets IPv6-only
+        assert "cannot listen on 0.0.0.0:" in _cannot_listen("0.0.0.0", port)
+
+
 # --- no engine needed -----------------------------------------------------------------------
 
 

@@ -574,3 +574,21 @@ def test_alignment_heads_a_distilled_model_kept_from_its_teacher_fall_back_to_th
                     for words in (False, True))
     assert timed.error is None and plain.error is None
     assert timed.words and "".join(word.word for word in timed.words).strip()
+
+
+def test_a_text_limit_with_timestamps_stops_at_the_timestamp_closing_its_segment():
+    """max_completion_tokens with timestamps: the decode stops once the limit's segment is
+    closed (its end is known; the text past the limit is cut after), not at the limit itself
+    (the segment ran to the end of its piece) nor at the end of the piece (all of it decoded)."""
+    from asrserve.engine.request import Request
+
+    eot, stamp = 50256, 50364
+    request = Request("r", np.zeros(16000, np.float32), [50257, 50362], SamplingParams(timestamps=True), 224,
+                      max_text_tokens=3)
+    stopped_at = None
+    for index, token in enumerate([stamp, 10, 11, 12, 13, stamp + 40, stamp + 41, 14, 15]):
+        request.output_token_ids.append(token)
+        if request.at_length_limit(448, eot):
+            stopped_at = index
+            break
+    assert stopped_at == 5  # the three text tokens, one more of the segment's, its closing timestamp

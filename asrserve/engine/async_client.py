@@ -145,14 +145,15 @@ class AsyncEngineClient:
         self._outbox.put(("shutdown",))
         self._outbox.put(None)  # stops the sender thread
         with self._join_lock:
-            if not self.ready.is_set():  # still loading: nothing to finish, and no message read until loaded
+            loading = not self.ready.is_set()
+            if loading:  # nothing to finish, and it reads no message until it has loaded
                 self._process.kill()
             self._process.join(timeout)
             if self._process.is_alive():
                 logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
                 self._process.kill()
                 self._process.join()
-            elif self._process.exitcode != 0:
+            elif self._process.exitcode != 0 and not loading:
                 logger.warning("the engine process exited with code %s", self._process.exitcode)
 
     # Threads ---------------------------------------------------------------------------------

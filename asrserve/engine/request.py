@@ -248,7 +248,9 @@ class Request:
 
     def at_length_limit(self, max_model_len: int, eot: int) -> bool:
         """It may write no more: max_tokens outputs, the decoder's context full, or
-        max_text_tokens text tokens (counted only where that is limited)."""
+        max_text_tokens text tokens (counted only where that is limited: with timestamps) and
+        then the timestamp that closes their segment, so that it keeps its end (the text past
+        the limit is the caller's to cut)."""
         num_outputs = len(self.output_token_ids)
         if num_outputs >= self.max_tokens or len(self.prompt_token_ids) + num_outputs >= max_model_len:
             return True
@@ -260,7 +262,7 @@ class Request:
             self._counted_outputs, self._num_counted, self._num_text_tokens = outputs, 0, 0
         self._num_text_tokens += sum(1 for token in outputs[self._num_counted:] if token < eot)
         self._num_counted = len(outputs)
-        return self._num_text_tokens >= limit
+        return self._num_text_tokens >= limit and outputs[-1] > eot
 
     @property
     def is_sibling(self) -> bool:

@@ -128,7 +128,8 @@ class GracefulServer(uvicorn.Server):
                 server.close()  # no new connections while the sessions end their turns
             began = time.monotonic()
             await self.realtime.drain(grace)
-            self.config.timeout_graceful_shutdown = max(0.0, grace - (time.monotonic() - began))
+            remaining = grace - (time.monotonic() - began)
+            self.config.timeout_graceful_shutdown = 0 if self.state.engine.failed.is_set() else max(0.0, remaining)
         await super().shutdown(sockets)
 
 
@@ -138,10 +139,13 @@ def _cannot_listen(host: str, port: int) -> str | None:
     try:
         for family, kind, protocol, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
             with socket.socket(family, kind, protocol) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+                if family == socket.AF_INET6:  # and IPv6 only: `::` beside an IPv4 listener is fine
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 probe.bind(address)
     except OSError as error:
-        return f"cannot listen on {host}:{port}: {error.strerror or error}"
+        shown = f"[{host}]" if ":" in host else host
+        return f"cannot listen on {shown}:{port}: {error.strerror or error}"
     return None
 
 

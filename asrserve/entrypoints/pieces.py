@@ -21,6 +21,7 @@ class PieceResult:
     summary: DecodeSummary | None = None  # once finished
     finish_reason: str | None = None
     is_continuation: bool = False  # decodes the rest of the piece before it (entrypoints.continuation)
+    cut_in_segment: bool = False  # max_completion_tokens fell inside its last segment (truncate_text)
 
     def add(self, output: RequestOutput) -> None:
         if output.restarted:  # a temperature fallback: what came before is void
@@ -54,6 +55,7 @@ class PieceResult:
         if kept and kept[-1] < eot and closing is not None:
             self.token_ids[cut], self.logprobs[cut] = self.token_ids[closing], self.logprobs[closing]
             cut += 1
+            self.cut_in_segment = True
         del self.token_ids[cut:]
         del self.logprobs[cut:]
 
@@ -73,11 +75,11 @@ def long_form_params(params: SamplingParams, duration_s: float) -> SamplingParam
 
 def decode_to_the_end(params: SamplingParams) -> SamplingParams:
     """What the engine decodes for a request whose text is cut at params.max_tokens: with
-    timestamps, each piece to its end, the cut made after (PieceResult.truncate_text). A
-    decode stopped at the limit has no closing timestamp for its last segment (which then
-    ran to the end of the piece: 0-11 s for jfk's first five words), and word times align a
-    decode up to its end (its few words were spread over the whole piece)."""
-    if params.timestamps and params.max_tokens is not None and not params.ignore_eos:
+    word timestamps, each piece to its end, the cut made after (PieceResult.truncate_text).
+    Word times align a decode up to its end, and one stopped at the limit has none: its few
+    words were spread over the whole piece. (Without words, a timestamped decode stops at the
+    timestamp closing the segment the limit falls in: Request.at_length_limit.)"""
+    if params.word_timestamps and params.max_tokens is not None and not params.ignore_eos:
         return replace(params, max_tokens=None)
     return params
 

@@ -59,12 +59,8 @@ class RealtimeSession:
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        handler = {
-            "session.update": self._update,
-            "input_audio_buffer.append": self._append,
-            "input_audio_buffer.commit": self._commit,
-            "input_audio_buffer.clear": self._clear,
-        }.get(kind)
+        handler = {"session.update": self._update, "input_audio_buffer.append": self._append,
+                   "input_audio_buffer.commit": self._commit, "input_audio_buffer.clear": self._clear}.get(kind)
         if handler is None:
             raise RealtimeError(f"unknown or unsupported event type {kind!r} in a transcription session", param="type",
                                 code="unknown_event_type")
@@ -271,15 +267,18 @@ class RealtimeSession:
                           segment.stable_logprobs + result.logprobs, result.language)
 
     async def _complete(self, item: Item, end: int, committed_at: float, before: asyncio.Task | None) -> None:
-        if before is not None:
-            await asyncio.wait({before})  # however it ended
         try:
+            if before is not None:
+                await asyncio.wait({before})  # however it ended
             await item.segments[-1].emitted
-        except Exception as error:  # the engine died or refused: the item fails, the session goes on
+        except (Exception, asyncio.CancelledError) as error:  # the engine failed, or the session closed first
+            message = str(error) or "the session closed before the transcript was done"
             await self.send(server_event(
                 "conversation.item.input_audio_transcription.failed", item_id=item.item_id, content_index=0,
-                error={"type": "server_error", "code": "transcription_failed", "message": str(error), "param": None},
+                error={"type": "server_error", "code": "transcription_failed", "message": message, "param": None},
             ))
+            if isinstance(error, asyncio.CancelledError):
+                raise
             return
         await self._send_completed(item, end, committed_at)
 
@@ -336,15 +335,16 @@ class RealtimeSession:
         return task
 
     async def end_for_shutdown(self) -> None:
-        """The server stops: the open turn is committed here, and this returns once every
-        committed item has its text (or has failed)."""
+        """The server stops: commits the open turn; returns once every committed item is done."""
         if self.item is not None and self.audio.end - self.item.start >= MIN_COMMIT_SAMPLES:
             await self._commit({})
         if self._last_completion is not None:
             await asyncio.wait({self._last_completion})
 
-    def close(self) -> None:
-        """The client left: every decode of this session stops (its engine requests are aborted)."""
+    def close(self) -> list[asyncio.Task]:
+        """The client left, or shutdown cannot wait: its decodes stop; returns the tasks it cancelled."""
         self._cancel_interim()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        return tasks

@@ -3,7 +3,8 @@
 A piece's tokens read <|t0|> text <|t1|><|t1'|> text <|t2|> ...: each pair of timestamps
 brackets one segment (times from the piece's start; the piece's offset makes them absolute).
 Text left open at the end (the decode stopped before a closing timestamp) ends with the
-piece, or with its last word where words are timed. Word times come from the engine's
+piece, or with its last word where words are timed; a segment max_completion_tokens cut
+keeps its closing timestamp, or ends with its last word where words are timed. Word times come from the engine's
 alignment (DecodeSummary.token_times)."""
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Segment:
     no_speech_prob: float
     words: list[Word] = field(default_factory=list)
     text_token_start: int = 0  # index of its first text token among the piece's text tokens
-    left_open: bool = False  # no closing timestamp: it ends with the piece, or with its last word
+    left_open: bool = False  # no closing timestamp, or cut by max_completion_tokens: its last word ends it
 
 
 def build_segments(
@@ -93,8 +94,8 @@ def _piece_segments(tokenizer: WhisperTokenizer, piece: PieceResult, first_id: i
         if not text.strip():
             text_token_start += len(text_tokens)
             continue
-        left_open = end is None
-        start, end = _ordered(start, end_of_piece if left_open else end, end_of_piece)
+        left_open = end is None or (piece.cut_in_segment and span_tokens is spans[-1][2])
+        start, end = _ordered(start, end_of_piece if end is None else end, end_of_piece)
         segments.append(
             Segment(
                 id=first_id + len(segments),

@@ -25,6 +25,9 @@ from asrserve.engine.request_checks import check_language
 from asrserve.entrypoints.auth import authorize, is_allowed_key
 from asrserve.entrypoints.protocol import APIError
 from asrserve.entrypoints.realtime_protocol import RealtimeError, SessionConfig, new_id, server_event
+from asrserve.entrypoints.live_shutdown import (
+    CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, LiveConnection, drain_sessions, shutting_down,
+)
 from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSession
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
@@ -35,7 +38,6 @@ logger = logging.getLogger("asrserve.realtime")
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 MAX_EVENT_BYTES = 15 * 1024 * 1024 * 4 // 3 + 1024  # OpenAI's 15 MiB of audio per append, in base64
 CLOSE_TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded
-CLOSE_SERVICE_RESTART = 1012  # RFC 6455: the server is restarting (uvicorn's own, without a reason)
 CLOSE_POLICY = 1008
 
 
@@ -69,41 +71,12 @@ class RealtimeState:
         return await asyncio.get_running_loop().run_in_executor(self._vad_thread, function, *args)
 
     async def drain(self, timeout_s: float) -> None:
-        """The server stops: every live session is told so, its open turn committed and its
-        committed turns transcribed, then closed (1012, "service restart"), all within timeout_s.
-        Sessions take no more events meanwhile."""
+        """The server stops: live sessions end (entrypoints.live_shutdown); none starts meanwhile."""
         self.draining = True
-        connections = list(self.sessions)
-        ending = [asyncio.ensure_future(connection.end()) for connection in connections]
-        _, late = await asyncio.wait(ending, timeout=timeout_s) if ending else (set(), set())
-        for task in late:
-            task.cancel()
-        for connection in connections:
-            await connection.close(CLOSE_SERVICE_RESTART, "the server is shutting down")
+        await drain_sessions(list(self.sessions), timeout_s)
 
     def shutdown(self) -> None:
         self._vad_thread.shutdown(wait=False, cancel_futures=True)
-
-
-class LiveConnection:
-    """A session and its WebSocket, as the server's shutdown sees them."""
-
-    def __init__(self, session: RealtimeSession, send, close):
-        self.session = session
-        self.send = send
-        self.close = close  # (code, reason): closes the socket, once
-        self.handling = asyncio.Lock()  # one client event at a time, and the shutdown's commit after it
-
-    async def end(self) -> None:
-        await self.send(_shutting_down().event(None))
-        async with self.handling:
-            await self.session.end_for_shutdown()
-
-
-def _shutting_down() -> RealtimeError:
-    return RealtimeError("the server is shutting down: this session takes no more events and closes once its "
-                         "committed audio is transcribed; reconnect to another replica", type="server_error",
-                         code="shutting_down")
 
 
 def _load_vad() -> str | None:
@@ -249,6 +222,10 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
     connection = LiveConnection(session, send, close)
     realtime.sessions.add(connection)
     try:
+        if realtime.draining:  # it opened as the server began to stop
+            await send(shutting_down().event(None))
+            await close(CLOSE_SERVICE_RESTART, SHUTDOWN_REASON)
+            return
         while True:
             try:
                 message = await asyncio.wait_for(websocket.receive(), idle_timeout)
@@ -265,7 +242,7 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 if realtime.draining:
                     if event.get("type") == "input_audio_buffer.append":
                         continue  # audio after the turn the shutdown ended
-                    raise _shutting_down()
+                    raise shutting_down()
                 if event.get("type") == "session.update":
                     _check_session(event, state)
                     if vad_error is not None and session.config.updated(event.get("session")).turn_detection:
