@@ -198,8 +198,9 @@ class ASR:
             )
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
-        # The engine stops each decode at max_tokens; _finish cuts the whole transcript there, as
-        # the server does (continuations and later pieces decode past it).
+        # The engine stops each decode near max_tokens (with timestamps, at the end of the segment
+        # the limit falls in); _finish cuts the whole transcript there, as the server does
+        # (continuations and later pieces decode past it).
         params = decode_to_the_end(params)
         text_limit = max_tokens
         language_of = self._languages(language, count, task)
