@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse
 
 from asrserve.engine.request_checks import check_language
 from asrserve.entrypoints.auth import authorize, is_allowed_key
-from asrserve.entrypoints.protocol import APIError
-from asrserve.entrypoints.realtime_protocol import RealtimeError, SessionConfig, new_id, server_event
 from asrserve.entrypoints.live_shutdown import (
     CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, LiveConnection, drain_sessions, shutting_down,
 )
+from asrserve.entrypoints.protocol import APIError
+from asrserve.entrypoints.realtime_protocol import RealtimeError, SessionConfig, new_id, server_event
 from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSession
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
