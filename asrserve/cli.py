@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--upload-idle-timeout-s", type=float, default=30.0,
                       help="an upload that sends nothing for this long gets 408")
     http.add_argument("--graceful-shutdown-timeout-s", type=float, default=30.0,
-                      help="on SIGTERM, seconds requests in flight get to finish before they are cancelled")
+                      help="on SIGTERM, seconds requests in flight and live sessions' turns get to finish "
+                      "before they are cancelled")
     http.add_argument("--chunking-strategy", default=DEFAULT_CHUNKING, metavar="STRATEGY",
                       help=f"for requests without chunking_strategy: {CHUNKING_HELP} (default {DEFAULT_CHUNKING})")
     live = serve.add_argument_group("live transcription (WS /v1/realtime)")
