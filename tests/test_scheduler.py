@@ -619,14 +619,17 @@ def test_a_sequence_let_go_for_an_older_ones_sibling_leaves_the_step():
 
 def test_the_text_token_limit_counts_each_token_once_and_each_sample_afresh():
     """max_text_tokens (a limit asked for, with timestamps) counts text tokens only, below
-    <|endoftext|>; a sibling's restart on another sample gives a new outputs list, counted anew."""
+    <|endoftext|>, and stops at the timestamp closing the segment the limit falls in; a
+    sibling's restart on another sample gives a new outputs list, counted anew."""
     eot = 50
     request = make_request("r", max_tokens=100)
     request.max_text_tokens = 3
-    for token, at_limit in ((60, False), (7, False), (61, False), (8, False), (9, True)):
+    for token, at_limit in ((60, False), (7, False), (61, False), (8, False), (9, False), (10, False), (62, True)):
         request.output_token_ids.append(token)
         assert request.at_length_limit(10_000, eot) is at_limit
-    request.output_token_ids = [60, 7]  # another sample
+    request.output_token_ids = [60, 7, 61]  # another sample: one text token so far, a segment closed
     assert not request.at_length_limit(10_000, eot)
     request.output_token_ids += [8, 9]
+    assert not request.at_length_limit(10_000, eot)
+    request.output_token_ids += [63]
     assert request.at_length_limit(10_000, eot)
