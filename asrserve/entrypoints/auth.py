@@ -1,4 +1,4 @@
-"""Bearer API keys for /v1/*: the same rule for every API (HTTP today, WebSocket next)."""
+"""Bearer API keys for /v1/*: the same rule for every API (HTTP, and the live WebSocket)."""
 
 from __future__ import annotations
 
