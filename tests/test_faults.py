@@ -467,3 +467,21 @@ def test_an_engine_output_the_client_cannot_read_stops_the_engine_and_fails_its_
             client.shutdown()
 
     asyncio.run(run())
+
+
+def test_an_unreadable_message_stops_the_engine_as_a_failure():
+    """It stopped (rather than leave the server's requests waiting) but exited 0, as after a
+    shutdown asked for."""
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from asrserve.engine.engine_process import EngineLoop
+
+    server_end, engine_end = Pipe()
+    _, outbox = Pipe()
+    loop = EngineLoop(SimpleNamespace(has_work=lambda: False), engine_end, outbox)
+    server_end.send_bytes(b"not a pickle")
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive() and loop.unreadable_message

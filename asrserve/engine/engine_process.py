@@ -101,9 +101,10 @@ def run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log_
         outbox.send(("failed", f"engine failed to start: {type(error).__name__}: {error}"))
         _exit(0)
     outbox.send(("ready", _info(core)))
-    EngineLoop(core, inbox, outbox).run()
+    loop = EngineLoop(core, inbox, outbox)
+    loop.run()
     logger.debug("engine stopped")
-    _exit(0)
+    _exit(1 if loop.unreadable_message else 0)
 
 
 def _exit(code: int) -> None:
@@ -150,6 +151,7 @@ class EngineLoop:
         self.messages: queue.Queue = queue.Queue()
         self._encoder_batches_sent: Counter[int] = Counter()
         self._memory_released = True  # nothing has been freed yet
+        self.unreadable_message = False  # it stopped on a message it could not read: a failure
 
     def run(self) -> None:
         threading.Thread(target=self._read_inbox, name="engine-inbox", daemon=True).start()
@@ -189,6 +191,7 @@ class EngineLoop:
             self.messages.put(("shutdown",))
         except Exception:  # an unreadable message: stop, rather than leave the server's requests waiting
             logger.exception("could not read the server's message; the engine stops")
+            self.unreadable_message = True
             self.messages.put(("shutdown",))
 
     def _handle(self, message: tuple) -> list[RequestOutput]:
