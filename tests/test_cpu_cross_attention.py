@@ -126,3 +126,26 @@ def test_the_kernels_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernels.load.cache_clear()
+
+
+def test_the_kernel_cache_is_never_a_directory_someone_else_could_write(tmp_path, monkeypatch):
+    """A library found in the cache is loaded: the /tmp fallback's name is predictable, so a
+    directory another user made there first (and planted a library in) must not be used."""
+    import os
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    try:
+        cpu_kernels.cache_dir.cache_clear()
+        assert cpu_kernels.cache_dir() == tmp_path / "cache" / "asrserve" / "kernels"  # the usual place
+        for place in (tmp_path / "cache" / "asrserve" / "kernels", tmp_path / f"asrserve-kernels-{os.getuid()}"):
+            place.mkdir(parents=True, exist_ok=True)
+            place.chmod(0o777)  # as a directory someone else made and left open would be
+        cpu_kernels.cache_dir.cache_clear()
+        chosen = cpu_kernels.cache_dir()
+        assert chosen.parent == tmp_path and chosen.name.startswith("asrserve-kernels-") and chosen.name != (
+            f"asrserve-kernels-{os.getuid()}")
+        assert chosen.stat().st_mode & 0o777 == 0o700
+    finally:
+        cpu_kernels.cache_dir.cache_clear()

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -28,17 +29,27 @@ SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
+@functools.cache
 def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/asrserve/kernels (~/.cache by default), or a temporary directory where that
-    cannot be written: a build takes under a second, so keeping it is a convenience only."""
+    """$XDG_CACHE_HOME/asrserve/kernels (~/.cache by default), or where that cannot be written
+    (a service account without a home) $TMPDIR/asrserve-kernels-<uid>, or a fresh directory of
+    this process's own: a build takes under a second, so keeping it is a convenience only. A
+    library found there is loaded, so only a directory this user owns and no one else may write
+    to will do: in a shared /tmp another user could have made that name first, and planted one."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asrserve" / "kernels"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"asrserve-kernels-{os.getuid()}"
+    for directory in (base, Path(tempfile.gettempdir()) / f"asrserve-kernels-{os.getuid()}"):
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if _is_private(directory) and os.access(directory, os.W_OK):
+                return directory
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix="asrserve-kernels-"))
+
+
+def _is_private(directory: Path) -> bool:
+    info = directory.lstat()  # not a symlink's target
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _compiler() -> str | None:
