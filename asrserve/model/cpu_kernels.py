@@ -89,6 +89,7 @@ def load(source_name: str, symbol: str, argtypes: tuple, extra_flags: tuple[str,
                 subprocess.run([compiler, *flags, f"-I{SOURCES}", "-o", partial, str(source)], check=True, capture_output=True,
                                timeout=120)
                 os.replace(partial, library)
+                logger.info("built the C kernel %s into %s", source.name, library)
             finally:
                 if os.path.exists(partial):
                     os.unlink(partial)
