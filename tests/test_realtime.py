@@ -346,6 +346,16 @@ def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
     wait_for_idle_engine(server)
 
 
+async def _events_until_closed(socket) -> list[dict]:
+    events = []
+    try:
+        async for message in socket:
+            events.append(json.loads(message))
+    except websockets.exceptions.ConnectionClosed:
+        pass
+    return events
+
+
 def test_sigterm_ends_a_live_turn_with_its_transcript_then_closes(speech_audio, offline):
     """uvicorn alone closes WebSockets at once on SIGTERM (1012, no word): a turn being spoken
     was lost. Now the session is told, its open turn is committed and transcribed, then it
@@ -370,13 +380,7 @@ def test_sigterm_ends_a_live_turn_with_its_transcript_then_closes(speech_audio, 
             await socket.send(json.dumps({"type": "no.such.event", "event_id": "sync"}))
             assert json.loads(await socket.recv())["error"]["event_id"] == "sync"
             process.process.send_signal(signal.SIGTERM)
-            events = []
-            try:
-                async for message in socket:
-                    events.append(json.loads(message))
-            except websockets.exceptions.ConnectionClosed:
-                pass
-            return events, socket.close_code, socket.close_reason
+            return await _events_until_closed(socket), socket.close_code, socket.close_reason
 
     try:
         process.wait_ready()
@@ -426,13 +430,7 @@ def test_sigterm_with_no_grace_fails_the_turn_it_committed(speech_audio):
             await socket.send(json.dumps({"type": "no.such.event", "event_id": "sync"}))
             await socket.recv()
             signal_now()
-            events = []
-            try:
-                async for message in socket:
-                    events.append(json.loads(message))
-            except websockets.exceptions.ConnectionClosed:
-                pass
-            return events, socket.close_code
+            return await _events_until_closed(socket), socket.close_code
 
     process = ServerProcess(["--dtype", "float32", "--graceful-shutdown-timeout-s", "0"])
     (events, code), _ = _sigterm_after(process, lambda url, signal_now: asyncio.run(run(url, signal_now)))
