@@ -592,3 +592,19 @@ def test_a_text_limit_with_timestamps_stops_at_the_timestamp_closing_its_segment
             stopped_at = index
             break
     assert stopped_at == 5  # the three text tokens, one more of the segment's, its closing timestamp
+
+
+def test_pieces_in_languages_with_and_without_spaces_are_joined_by_their_own():
+    """A long file's Japanese part then its German part: a space between them (they were
+    joined by the request's one language, the first detected: nothing)."""
+    from types import SimpleNamespace
+
+    from asrserve.entrypoints.pieces import transcript_text
+
+    texts = {1: "キョウハ", 2: "ニゼンキ", 3: "Der hinter diesem Portal", 4: "liegenden Raum"}
+    tokenizer = SimpleNamespace(decode=lambda ids: texts[ids[0]])
+    pieces = [PieceResult(0.0, 30.0, [1], language="ja"), PieceResult(30.0, 30.0, [2], language="ja"),
+              PieceResult(60.0, 30.0, [3], language="de"), PieceResult(90.0, 30.0, [4], language=None)]
+    assert transcript_text(tokenizer, pieces, "ja") == "キョウハニゼンキ Der hinter diesem Portal liegenden Raum"
+    assert transcript_text(tokenizer, pieces[2:], "de") == "Der hinter diesem Portal liegenden Raum"
+    assert transcript_text(tokenizer, pieces[:2], None) == "キョウハニゼンキ"

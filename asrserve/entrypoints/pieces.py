@@ -105,8 +105,20 @@ def separator_for(language: str | None) -> str:
     return "" if language in NO_SPACE_LANGUAGES else " "
 
 
+def joiner(before: str | None, after: str | None) -> str:
+    """What joins the texts of two pieces in these languages: nothing between two written
+    without spaces (zh, ja, ...), a space otherwise (a German part after a Japanese one)."""
+    return "" if before in NO_SPACE_LANGUAGES and after in NO_SPACE_LANGUAGES else " "
+
+
 def transcript_text(tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None) -> str:
-    """The pieces' texts in order, stripped and joined (by nothing for zh, ja, ...); pieces
-    judged silence contribute nothing."""
-    texts = [tokenizer.decode(piece.token_ids).strip() for piece in pieces if not piece.is_silence]
-    return separator_for(language).join(text for text in texts if text)
+    """The pieces' texts in order, stripped and joined (each pair by joiner, a piece's own
+    language first, `language` where it has none); pieces judged silence contribute nothing."""
+    text, previous = "", None
+    for piece in pieces:
+        piece_text = "" if piece.is_silence else tokenizer.decode(piece.token_ids).strip()
+        if piece_text:
+            current = piece.language or language
+            text += (joiner(previous, current) if text else "") + piece_text
+            previous = current
+    return text

@@ -20,7 +20,7 @@ from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length
 from asrserve.entrypoints.pieces import (
-    PieceResult, cap_text_tokens, long_form_params, separator_for, transcript_text,
+    PieceResult, cap_text_tokens, joiner, long_form_params, transcript_text,
 )
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.errors import InvalidRequestError
@@ -88,6 +88,7 @@ class TranscriptionJob:
         # Audio still being read has come out in pieces already, so it is longer than 30 s.
         self.sampling_params = long_form_params(sampling_params, audio.duration_s if audio.complete else math.inf)
         self.text = ""
+        self._text_language: str | None = None  # of the piece whose text self.text ends with
         self.num_output_tokens = 0
         # Decodes (pieces and continuations) whose text the streamed transcript went through:
         # the streamed usage counts their audio, the same whenever the reading stopped.
@@ -228,7 +229,7 @@ class TranscriptionJob:
                     num_shown = len(shown)
                 delta = text.update(shown)
                 if delta:
-                    yield self._add_text(delta, piece_started)
+                    yield self._add_text(delta, piece_started, piece.language or self.language)
                     piece_started = True
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
             following = None if at_limit else self._continue(piece, samples, depth)
@@ -238,7 +239,7 @@ class TranscriptionJob:
             self.num_output_tokens += len(shown)
             delta = text.update(shown) + text.finish()
             if delta:
-                yield self._add_text(delta, piece_started)
+                yield self._add_text(delta, piece_started, piece.language or self.language)
             if at_limit:
                 self.abort()
                 return
@@ -247,11 +248,13 @@ class TranscriptionJob:
             stream, piece, samples = following
             depth += 1
 
-    def _add_text(self, delta: str, piece_started: bool) -> str:
-        """The delta as the transcript takes it: a separator before a later piece's first text."""
+    def _add_text(self, delta: str, piece_started: bool, language: str | None) -> str:
+        """The delta as the transcript takes it: before a later piece's first text, what joins
+        it to the piece before (pieces.joiner, by their languages)."""
         if not piece_started and self.text:
-            delta = self._separator + delta
+            delta = joiner(self._text_language, language) + delta
         self.text += delta
+        self._text_language = language
         return delta
 
     async def run(self) -> str:
@@ -273,6 +276,8 @@ class TranscriptionJob:
                 chain.cancel()
         self.pieces = [piece for chain in done for piece in chain]
         drop_repeated_words(self.tokenizer, self.pieces)
+        # The first piece's language in time, not the first to be detected (as the join below reads it).
+        self.language = next((piece.language for piece in self.pieces if piece.language), self.language)
         if self.language is not None:
             for piece in self.pieces:
                 piece.language = piece.language or self.language
@@ -305,9 +310,6 @@ class TranscriptionJob:
         eot = self.tokenizer.special.eot
         return [pair for piece in self.pieces if not piece.is_silence for pair in _text_logprobs(piece, eot)]
 
-    @property
-    def _separator(self) -> str:
-        return separator_for(self.language)
 
 
 def _text_tokens(token_ids: list[int], eot: int, budget: int | None) -> list[int]:
