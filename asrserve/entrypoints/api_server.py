@@ -101,7 +101,6 @@ def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-
 class GracefulServer(uvicorn.Server):
     """uvicorn, less two habits. After a graceful shutdown on SIGTERM it raises the signal
     again, so the process would end "killed by SIGTERM": a drained, orderly stop is a success,

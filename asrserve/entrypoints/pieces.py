@@ -101,10 +101,6 @@ def cap_text_tokens(pieces: list[PieceResult], limit: int | None, eot: int) -> i
     return kept
 
 
-def separator_for(language: str | None) -> str:
-    return "" if language in NO_SPACE_LANGUAGES else " "
-
-
 def joiner(before: str | None, after: str | None) -> str:
     """What joins the texts of two pieces in these languages: nothing between two written
     without spaces (zh, ja, ...), a space otherwise (a German part after a Japanese one)."""

@@ -23,7 +23,7 @@ from asrserve.entrypoints import live_decode
 from asrserve.entrypoints.live_decode import LiveDecode, WordBoundaries
 from asrserve.entrypoints.live_interims import interim_loop
 from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, sample_ms, user_item
-from asrserve.entrypoints.pieces import separator_for
+from asrserve.entrypoints.pieces import joiner
 from asrserve.entrypoints.protocol import usage_duration
 from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
 
@@ -306,7 +306,7 @@ class RealtimeSession:
         if not delta:
             return
         if len(segment.text) == len(delta) and item.sent:  # the segment's first words
-            delta = separator_for(item.language) + delta
+            delta = joiner(item.language, item.language) + delta
         item.sent += delta
         event: dict[str, Any] = {"item_id": item.item_id, "content_index": 0, "delta": delta}
         if self.config.include_logprobs:

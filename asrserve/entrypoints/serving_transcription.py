@@ -46,7 +46,6 @@ from asrserve.errors import InvalidRequestError
 T = TypeVar("T")
 
 
-
 def add_transcription_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request) -> Response:
@@ -55,7 +54,6 @@ def add_transcription_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/audio/translations")
     async def translations(request: Request) -> Response:
         return await _audio_endpoint(request, state, "translate", "translations")
-
 
 
 async def _audio_endpoint(request: Request, state: ServerState, task: str, endpoint: str) -> Response:

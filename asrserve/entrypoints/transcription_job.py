@@ -311,7 +311,6 @@ class TranscriptionJob:
         return [pair for piece in self.pieces if not piece.is_silence for pair in _text_logprobs(piece, eot)]
 
 
-
 def _text_tokens(token_ids: list[int], eot: int, budget: int | None) -> list[int]:
     """The text tokens among `token_ids`, at most `budget` of them."""
     text = [token for token in token_ids if token < eot]

@@ -79,8 +79,7 @@ def load(source_name: str, symbol: str, argtypes: tuple, extra_flags: tuple[str,
     key = hashlib.sha256(inputs + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     library = cache_dir() / f"{source.stem}-{key}.so"
     try:
-        if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
+        if not library.exists():  # (cache_dir made its directory)
             # Built under a temporary name and renamed: processes starting together never load
             # a half-written library.
             handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")

@@ -7,13 +7,14 @@ one state-dict format.
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from asrserve.model.sizes import read_json
 
 # CTranslate2's dtype codes.
 _DTYPES = {
@@ -193,7 +194,7 @@ def read_checkpoint(directories: list[Path]) -> tuple[dict[str, np.ndarray], dic
     config: dict = {}
     for directory in directories:
         if (directory / "config.json").is_file():
-            config = json.loads((directory / "config.json").read_text())
+            config = read_json(directory / "config.json")
             break
     return read_model_bin(data), config
 
