@@ -305,6 +305,10 @@ def test_a_model_that_cannot_load_exits_with_a_one_line_error(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert any("not found" in line for line in errors), result.stderr
     assert "Traceback" not in result.stderr
+    # Said once (the engine client repeated it when the engine process ended), and no uvicorn
+    # complaint about a graceful shutdown exceeded with nothing in flight.
+    assert sum("not found" in line for line in result.stderr.splitlines()) == 1, result.stderr
+    assert "graceful shutdown exceeded" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("flag, value, named", [

@@ -229,7 +229,8 @@ class AsyncEngineClient:
         code = self._process.exitcode
         if self.error is None:
             self.error = f"the engine process exited unexpectedly (exit code {code})"
-        logger.error("%s", self.error)
+        if not self.failed.is_set():  # a start-up failure was reported with its message already
+            logger.error("%s", self.error)
         self.failed.set()
         for stream in self._streams.values():
             stream.put(EngineDeadError(self.error))

@@ -121,15 +121,22 @@ class GracefulServer(uvicorn.Server):
         if self.state is not None and self.state.engine.failed.is_set():
             # Nothing in flight can finish (an upload still arriving, say): exit now, so that
             # a supervisor restarts us, instead of after the whole grace period.
-            self.config.timeout_graceful_shutdown = 0
+            self._limit_drain(0)
         elif self.realtime is not None and self.realtime.sessions:
             for server in self.servers:
                 server.close()  # no new connections while the sessions end their turns
             began = time.monotonic()
             await self.realtime.drain(grace)
             remaining = grace - (time.monotonic() - began)
-            self.config.timeout_graceful_shutdown = 0 if self.state.engine.failed.is_set() else max(0.0, remaining)
+            self._limit_drain(0 if self.state.engine.failed.is_set() else max(0.0, remaining))
         await super().shutdown(sockets)
+
+    def _limit_drain(self, seconds: float) -> None:
+        """Shortens uvicorn's wait for HTTP requests. With none in flight the wait ends at once
+        anyway, and a zero timeout would make uvicorn log "timeout graceful shutdown exceeded"
+        for nothing (a model that failed to load, say)."""
+        if self.server_state.connections or self.server_state.tasks:
+            self.config.timeout_graceful_shutdown = seconds
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
