@@ -325,3 +325,92 @@ def test_decoding_ten_minutes_holds_the_result_about_once(rate, channels):
         tracemalloc.stop()
     assert len(samples) == 600 * SAMPLE_RATE
     assert peak - samples.nbytes < 0.5 * samples.nbytes, (peak >> 20, samples.nbytes >> 20)
+
+
+def test_a_wav_whose_data_size_was_never_written_is_read_whole(tmp_path):
+    """A recorder cut off (or one that streams) leaves 0 in the header's data size: libsndfile
+    then sees no frames, ffmpeg (and OpenAI) read the samples that follow. It was refused as
+    empty."""
+    import struct
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, tone(2.0, SR), SR, format="WAV", subtype="PCM_16")
+    data = bytearray(buffer.getvalue())
+    struct.pack_into("<I", data, data.find(b"data") + 4, 0)
+    struct.pack_into("<I", data, 4, 0)
+    assert len(load_audio(bytes(data))) == 2 * SR
+
+
+def test_many_channels_at_a_high_rate_shrink_the_duration_limit(tmp_path):
+    """Decoding costs by every channel's samples: a small FLAC of 8 channels at 384 kHz
+    (silence compresses to nothing) held a preprocessing worker for minutes at an accepted
+    length. Past 8 channels at 48 kHz the limit shrinks in proportion; at or below, it holds."""
+    silent = np.zeros((2 * 384_000, 8), np.float32)
+    path = tmp_path / "wide.flac"
+    soundfile.write(path, silent, 384_000, format="FLAC")
+    with pytest.raises(AudioTooLongError, match="8 channels at 384000 Hz"):
+        load_audio(path, max_duration_s=10)  # 2 s of it costs what 16 s at 8 x 48 kHz would
+    assert len(load_audio(path, max_duration_s=20)) == 2 * SR
+    film = tmp_path / "film.flac"
+    soundfile.write(film, np.zeros((2 * 48_000, 8), np.float32), 48_000, format="FLAC")
+    assert len(load_audio(film, max_duration_s=2)) == 2 * SR
+
+
+def test_float_audio_past_full_scale_is_clipped_as_ffmpeg_clips_it(tmp_path):
+    """Speech at 1000 times full scale in a float WAV was read as silence (log-mel is not
+    scale-free); ffmpeg's conversion to 16-bit clips it for openai/whisper and faster-whisper."""
+    path = tmp_path / "loud.wav"
+    soundfile.write(path, 1000 * tone(1.0, 44_100), 44_100, format="WAV", subtype="FLOAT")
+    for source in (path, 1000 * tone(1.0, SR)):
+        samples = load_audio(source)
+        assert np.abs(samples).max() <= 1.0 and np.mean(np.abs(samples) > 0.99) > 0.5
+
+
+def test_pipes_and_unseekable_streams_are_read(tmp_path):
+    """A pipe given as a path (the shell's <(cat a.flac)) was "audio file not found"; a file
+    object that cannot seek (a pipe, stdin) raised OSError "Illegal seek" out of the decoders."""
+    import os
+    import threading
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, tone(1.0, SR), SR, format="FLAC")
+    data = buffer.getvalue()
+
+    def feed(write) -> threading.Thread:
+        thread = threading.Thread(target=lambda: (write(data), None))
+        thread.start()
+        return thread
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def write_fifo(payload: bytes) -> None:
+        with open(fifo, "wb") as sink:
+            sink.write(payload)
+
+    thread = feed(write_fifo)
+    try:
+        assert len(load_audio(fifo)) == SR
+    finally:
+        thread.join(timeout=10)
+        if thread.is_alive():  # the decoder never opened the pipe: let the writer finish
+            with open(fifo, "rb") as source:
+                source.read()
+    read_end, write_end = os.pipe()
+    thread = feed(lambda payload: (os.write(write_end, payload), os.close(write_end)))
+    with os.fdopen(read_end, "rb") as stream:
+        assert len(load_audio(stream)) == SR
+    thread.join()
+
+
+def test_a_codec_ffmpeg_does_not_know_is_named_as_such(tmp_path):
+    """A WAV with an unknown format tag was refused for "a sample rate of 0 Hz" (its header
+    says 16000)."""
+    import struct
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, tone(1.0, SR), SR, format="WAV", subtype="PCM_16")
+    data = bytearray(buffer.getvalue())
+    struct.pack_into("<H", data, 20, 0x1234)
+    with pytest.raises(AudioError, match="unknown or damaged codec"):
+        load_audio(bytes(data))

@@ -23,9 +23,9 @@ class AudioError(ValueError):
 
 
 class AudioTooLongError(AudioError):
-    def __init__(self, duration_s: float, max_duration_s: float, exact: bool = True):
+    def __init__(self, duration_s: float, max_duration_s: float, exact: bool = True, of_what: str = ""):
         length = f"{duration_s:.1f} s long" if exact else f"longer than {max_duration_s:g} s"
-        super().__init__(f"audio is {length}; at most {max_duration_s:g} s is accepted")
+        super().__init__(f"audio is {length}; at most {max_duration_s:g} s{of_what} is accepted")
         self.duration_s = duration_s
         self.max_duration_s = max_duration_s
 
@@ -72,14 +72,28 @@ def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     samples = samples.astype(np.float32, copy=False)
     if not np.isfinite(samples).all():
         raise AudioError("audio contains NaN or infinite samples")
+    samples = clip_to_full_scale(samples)
     if sample_rate != SAMPLE_RATE:
         samples = soxr.resample(samples, sample_rate, SAMPLE_RATE, quality="HQ").astype(np.float32, copy=False)
     return np.ascontiguousarray(samples)
 
 
+def clip_to_full_scale(samples: np.ndarray) -> np.ndarray:
+    """Float audio past full scale clipped to [-1, 1], as ffmpeg's conversion to 16-bit PCM
+    clips it for openai/whisper and faster-whisper: a float WAV of speech at 1000 times full
+    scale read as silence (log-mel is not scale-free)."""
+    if len(samples) and (samples.max() > 1.0 or samples.min() < -1.0):
+        return np.clip(samples, -1.0, 1.0)
+    return samples
+
+
 # Sample rates a file may declare. Outside them a header is damaged or hostile (a rate of 1 Hz
 # turns a few bytes into hours of audio to upsample).
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 768_000
+# Decoding costs by the samples decoded, every channel's: past 8 channels at 48 kHz (7.1 film
+# sound) the duration limit shrinks in proportion, so that a small FLAC of 8 channels at 384
+# kHz (14 KB a minute, 2 s of a worker's time a minute) cannot hold a worker for minutes.
+DECODE_BUDGET_RATE = 8 * 48_000
 BLOCK_SAMPLES = 1 << 20  # decoded, mixed down and resampled this many samples (4 MB) at a time
 MAX_PREALLOCATED_S = 4 * 3600  # the most audio a declared length reserves room for up front
 
@@ -97,14 +111,18 @@ class MonoResampler:
 
     def __init__(
         self, rate: int, max_duration_s: float | None, declared_frames: int = 0, on_progress: _Progress | None = None,
-        declared_exact: bool = True,
+        declared_exact: bool = True, channels: int = 1,
     ):
-        # A declared length over the limit is refused before anything is decoded; an estimate
-        # (declared_exact False: an MP3's or a bare AAC stream's) only sizes the buffer.
-        if declared_exact and rate > 0 and declared_frames > 0:
-            _check_duration(declared_frames / rate, max_duration_s)
         if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
             raise AudioError(f"audio has an unsupported sample rate of {rate} Hz")
+        self.of_what = ""
+        if max_duration_s is not None and rate * channels > DECODE_BUDGET_RATE:
+            max_duration_s *= DECODE_BUDGET_RATE / (rate * channels)
+            self.of_what = f" of {channels} channels at {rate} Hz (past 8 channels at 48 kHz the limit shrinks)"
+        # A declared length over the limit is refused before anything is decoded; an estimate
+        # (declared_exact False: an MP3's or a bare AAC stream's) only sizes the buffer.
+        if declared_exact and declared_frames > 0:
+            _check_duration(declared_frames / rate, max_duration_s, self.of_what)
         self.rate = rate
         self.max_duration_s = max_duration_s
         self.num_frames = 0
@@ -122,12 +140,13 @@ class MonoResampler:
         mono = np.ascontiguousarray(mono, np.float32)
         self.num_frames += len(mono)
         if self.max_duration_s is not None and self.num_frames > self.max_duration_s * self.rate:
-            raise AudioTooLongError(self.num_frames / self.rate, self.max_duration_s, exact=False)
+            raise AudioTooLongError(self.num_frames / self.rate, self.max_duration_s, exact=False, of_what=self.of_what)
         self._append(self.stream.resample_chunk(mono, last=last) if self.stream is not None else mono)
 
     def _append(self, values: np.ndarray) -> None:
         if not np.isfinite(values).all():  # refused before any of it is cut and sent on
             raise AudioError("audio contains NaN or infinite samples")
+        values = clip_to_full_scale(values)
         end = self.length + len(values)
         if end > len(self.samples):
             grown = np.empty(max(end, 2 * len(self.samples)), np.float32)
@@ -177,12 +196,17 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         path = Path(source)
         if path.is_dir():
             raise AudioError(f"{source} is a folder, not an audio file")
-        if not path.is_file():
+        if not path.exists():
             raise AudioError(f"audio file not found: {source}")
+        if not path.is_file():  # a pipe (the shell's <(...)), a device: read as a stream
+            with open(path, "rb") as stream:
+                return _decode(stream.read(), max_duration_s, on_progress)
         if path.stat().st_size == 0:
             raise AudioError(f"audio is empty: {source} has no bytes")
     elif hasattr(source, "mode") and "b" not in source.mode:
         raise AudioError("the file object was opened in text mode: open audio with mode 'rb'")
+    if not isinstance(source, (str, Path)) and not _seekable(source):
+        source = io.BytesIO(source.read())  # a pipe, stdin, a response body: both decoders seek
     start = source.tell() if hasattr(source, "tell") else None
     try:
         return _decode_soundfile(source, max_duration_s, on_progress)
@@ -195,6 +219,13 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         return decode_ffmpeg(source, max_duration_s, on_progress)
 
 
+def _seekable(source) -> bool:
+    try:
+        return source.seekable() if hasattr(source, "seekable") else hasattr(source, "seek")
+    except (OSError, ValueError):
+        return False
+
+
 def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progress) -> np.ndarray:
     start = source.tell() if hasattr(source, "tell") else None
     try:
@@ -204,7 +235,10 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
                 # frame unless a Xing header gives it (a VBR file without one lost its last 75
                 # s), and at the first damaged frame without an error: ffmpeg reads MP3 whole.
                 raise _NotForLibsndfile
-            resampler = MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress)
+            if file.frames == 0:  # a header whose data size was never written (a recorder cut off): ffmpeg reads on
+                raise _NotForLibsndfile
+            resampler = MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress,
+                                      channels=file.channels)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
             while True:
@@ -248,9 +282,9 @@ def _read_up_to_the_damage(source, start: int | None, resampler: MonoResampler) 
         pass
 
 
-def _check_duration(duration_s: float, max_duration_s: float | None) -> None:
+def _check_duration(duration_s: float, max_duration_s: float | None, of_what: str = "") -> None:
     if max_duration_s is not None and duration_s > max_duration_s:
-        raise AudioTooLongError(duration_s, max_duration_s)
+        raise AudioTooLongError(duration_s, max_duration_s, of_what=of_what)
 
 
 def one_line(error: Exception) -> str:

@@ -27,8 +27,10 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
             # Microseconds, when the container says. Raw ADTS AAC and MP3 streams carry no length:
             # ffmpeg estimates one from the first frames' bitrate (968 s for 30 s of VBR AAC).
             exact = container.format.name not in ESTIMATED_LENGTH_FORMATS
+            if not rate:  # a codec ffmpeg does not know, or a header too damaged to say
+                raise AudioError("could not decode audio: an unknown or damaged codec (the stream has no sample rate)")
             mono = MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress,
-                                 exact)
+                                 exact, channels=stream.layout.nb_channels)
             # Float samples at the stream's own rate and channel layout, mixed down and resampled
             # to 16 kHz block by block. Frames in planar float are read as they are; any other
             # goes through a converter to interleaved float. A frame whose format, layout or rate
