@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="interim decodes in flight across all sessions; sessions take turns for them, so "
                       "final transcripts are not crowded out (default: one per two CPU cores)")
     live.add_argument("--realtime-idle-timeout-s", type=float, default=120.0,
-                      help="a session that sends no event for this long is closed")
+                      help="a session that sends no event for this long, with no turn of it being "
+                           "transcribed, is closed")
     live.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
                       help="longest uncommitted utterance; appends past it get an error event")
     http.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True,

@@ -418,7 +418,10 @@ async def _outputs(stream) -> list:
 
 def test_a_request_the_engine_client_cannot_send_fails_alone(speech_files):
     """A message that cannot be pickled (a bug; or MemoryError on a huge one) used to end the
-    sender thread: every later request waited forever, then the engine exited on EOF."""
+    sender thread: every later request waited forever, then the engine exited on EOF. A request
+    the engine fails to add fails alone too: a prompt with a lone surrogate (which a realtime
+    session.update could carry) raised UnicodeEncodeError in the engine process, which exited,
+    and the server with it."""
     async def run() -> None:
         client = _engine_client()
         client.start()
@@ -428,6 +431,15 @@ def test_a_request_the_engine_client_cannot_send_fails_alone(speech_files):
             [bad] = client.add([EngineRequest("bad", audio, None, "transcribe", SamplingParams(), prompt=lambda: 0)])
             outputs = await asyncio.wait_for(_outputs(bad), 30)
             assert outputs[-1].finish_reason == "error" and "could not send" in outputs[-1].error
+            assert outputs[-1].bug
+            [surrogate] = client.add([EngineRequest("surrogate", audio, None, "transcribe", SamplingParams(),
+                                                    prompt="hi \ud800")])
+            [last] = (await asyncio.wait_for(_outputs(surrogate), 30))[-1:]
+            assert last.finish_reason == "error" and "surrogate" in last.error and not last.bug
+            # a request the engine fails on while adding it, as a bug would: that request's error
+            [broken] = client.add([EngineRequest("broken", audio, None, "transcribe", SamplingParams(), prefix=["x"])])
+            [last] = (await asyncio.wait_for(_outputs(broken), 30))[-1:]
+            assert last.finish_reason == "error" and last.bug and "TypeError" in last.error
             [good] = client.add([EngineRequest("good", audio, None, "transcribe", SamplingParams())])
             assert (await asyncio.wait_for(_outputs(good), 60))[-1].finish_reason == "stop"
             assert client.is_ready

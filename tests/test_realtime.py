@@ -346,6 +346,33 @@ def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
     wait_for_idle_engine(server)
 
 
+def test_the_idle_timeout_waits_for_the_transcripts_a_client_waits_for(speech_audio):
+    """A client that committed a turn and waits for its transcript sends nothing: the idle
+    timeout closed it mid-decode, and the turn got neither `completed` nor `failed`."""
+    process = ServerProcess(["--dtype", "float32", "--realtime-idle-timeout-s", "0.2"])
+    turn = np.concatenate([speech_audio[4], speech_audio[6], speech_audio[15], speech_audio[0]])[: 28 * 16_000]
+    try:
+        process.wait_ready()
+        url = process.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
+
+        async def run():
+            async with websockets.connect(url, max_size=None) as socket:
+                await socket.send(json.dumps({"type": "session.update", "session": {
+                    "type": "transcription", "audio": {"input": {"turn_detection": None}}}}))
+                await socket.send(json.dumps({"type": "input_audio_buffer.append",
+                                              "audio": base64.b64encode(pcm(turn)).decode()}))
+                await socket.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                return await _events_until_closed(socket)
+
+        kinds = [event["type"] if event["type"] != "error" else event["error"]["code"]
+                 for event in asyncio.run(run())]
+        assert "conversation.item.input_audio_transcription.completed" in kinds, kinds
+        # then, with nothing left to transcribe, the session is idle
+        assert kinds.index("conversation.item.done") < kinds.index("idle_timeout") == len(kinds) - 1, kinds
+    finally:
+        process.stop()
+
+
 async def _events_until_closed(socket) -> list[dict]:
     events = []
     try:

@@ -167,6 +167,15 @@ def test_session_update_merges_and_names_what_is_wrong():
         ({"audio": {"input": {"speed": 2}}}, "session.audio.input.speed"),
         ({"include": ["item.input_audio_transcription.words"]}, "session.include"),
         ("transcription", "session"),
+        # Values of the wrong type are refused, not read as an empty object, 1.0, 0 or 24000
+        # (they were answered with session.updated).
+        *(({"audio": value}, "session.audio") for value in (0, [], False, "")),
+        ({"audio": {"input": []}}, "session.audio.input"),
+        ({"include": False}, "session.include"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000.0}}}}, "session.audio.input.format.rate"),
+        *(({"audio": {"input": {"turn_detection": {"type": "server_vad", name: value}}}},
+           f"session.audio.input.turn_detection.{name}")
+          for name, value in (("threshold", True), ("prefix_padding_ms", False), ("silence_duration_ms", True))),
     ]
     for session, param in wrong:
         with pytest.raises(RealtimeError) as error:
@@ -569,3 +578,94 @@ def test_a_refused_commit_under_server_vad_leaves_no_item_and_commits_keep_vads_
 
     events = asyncio.run(scenario())
     assert sum(e["type"] == "input_audio_buffer.committed" for e in events) == 5
+
+
+def test_events_that_are_json_but_not_text_or_too_deep_get_invalid_json():
+    """A lone surrogate escape ("\\ud800") is valid JSON but not text: in a prompt it killed the
+    engine process when it was tokenized (the whole server exited), in an event_id it broke the
+    error event sent back (the connection dropped). Deep nesting and huge integers raised past
+    the JSON error handler ("this is a bug in asrserve", a traceback a client could repeat)."""
+    from asrserve.entrypoints.serving_realtime import _parse
+
+    def refusal(text: str) -> RealtimeError:
+        with pytest.raises(RealtimeError) as error:
+            _parse({"text": text})
+        assert error.value.code == "invalid_json", text
+        return error.value
+
+    prompt = {"type": "session.update", "event_id": "e1", "session": {"type": "transcription", "audio": {
+        "input": {"transcription": {"prompt": "hi \\ud800"}}}}}
+    import json
+    assert refusal(json.dumps(prompt).replace("\\\\ud800", "\\ud800")).event_id == "e1"
+    assert refusal('{"type": "x", "event_id": "\\ud800"}').event_id is None
+    refusal('{"type": "x", "a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    refusal('{"type": "x", "a": ' + "9" * 5000 + "}")
+    # a surrogate pair (an emoji, as some encoders escape it) is text
+    event, event_id = _parse({"text": '{"type": "x", "event_id": "\\ud83d\\ude00"}'})
+    assert event_id == "\U0001f600"
+
+
+def test_one_append_of_minutes_is_decoded_in_windows_of_at_most_30_s():
+    """Allowed (15 MiB an append, 300 s buffered), one 70 s append used to leave a 40 s segment:
+    the commit's decode failed ("audio is 42.5 s long")."""
+    loud = np.random.default_rng(1).uniform(-0.3, 0.3, 70 * 24_000)
+
+    async def scenario():
+        engine = _RecordingEngine()
+        session, events = _session(SessionConfig(turn_detection=None), engine)
+        await session.handle(_append(loud))
+        await session.handle({"type": "input_audio_buffer.commit"})
+        for _ in range(50):
+            await asyncio.sleep(0)
+        return engine.audios, events
+
+    audios, events = asyncio.run(scenario())
+    assert len(audios) == 3 and all(len(audio) <= 30 * 16_000 for audio in audios)
+    assert abs(sum(len(audio) for audio in audios) - 70 * 16_000) < 400  # all of it, once
+    assert [e["type"] for e in events if "transcription" in e["type"]] == [
+        "conversation.item.input_audio_transcription.completed"]
+
+
+def test_an_early_final_ends_where_the_pause_was_heard_not_where_the_append_ends(spoken):
+    """Server VAD, the whole recording in one append (a client sending a file faster than real
+    time): the final started at the first turn's pause took the audio up to the end of the
+    append, the second sentence included, whose words then ended the first transcript too."""
+    async def scenario():
+        engine = _RecordingEngine()
+        config = SessionConfig(format="audio/pcm", rate=16_000)
+        session, events = _session(config, engine)
+        pcm = (np.clip(spoken, -1, 1) * 32767).astype("<i2").tobytes()
+        await session.handle({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        for _ in range(50):
+            await asyncio.sleep(0)
+        return engine.audios, events
+
+    audios, events = asyncio.run(scenario())
+    starts = [e["audio_start_ms"] for e in events if e["type"] == "input_audio_buffer.speech_started"]
+    stops = [e["audio_end_ms"] for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    assert len(starts) == len(stops) == 2
+    first_turn = audios[0]
+    assert len(first_turn) <= (stops[0] - starts[0] + 300) * 16  # its own turn (and its prefix padding)
+    assert len(first_turn) < (starts[1] - starts[0]) * 16
+
+
+def test_server_vad_switched_on_mid_item_announces_the_speech_it_stops(spoken):
+    """An item opened by appends without turn detection, then server VAD on: the turn's stop
+    came with speech_stopped but no speech_started before it."""
+    async def scenario():
+        session, events = _session(SessionConfig(turn_detection=None, format="audio/pcm", rate=16_000),
+                                   _RecordingEngine())
+        pcm = (np.clip(spoken, -1, 1) * 32767).astype("<i2").tobytes()
+        first_turn = len(pcm) // 2 // 2 * 2  # (the recording's second sentence starts later)
+        await session.handle({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[:4000]).decode()})
+        await session.handle({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+            "turn_detection": {"type": "server_vad"}}}}})
+        await session.handle({"type": "input_audio_buffer.append",
+                              "audio": base64.b64encode(pcm[4000:first_turn]).decode()})
+        for _ in range(50):
+            await asyncio.sleep(0)
+        return events
+
+    events = asyncio.run(scenario())
+    kinds = [e["type"] for e in events if e["type"].startswith("input_audio_buffer.speech")]
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"], kinds

@@ -45,6 +45,7 @@ class TurnEvent:
     # speech came back after a pause before the turn ended; "stop": the turn is over
     sample: int  # stream offset: where speech starts (unpadded), where silence starts, or (stop)
     # where the turn ends, silence_duration_ms after the silence began
+    heard_until: int  # stream offset: the end of the window that decided it
 
 
 class TurnDetector:
@@ -74,16 +75,16 @@ class TurnDetector:
             if prob >= self.threshold:
                 if not self.speaking:
                     self.speaking = True
-                    events.append(TurnEvent("start", window * WINDOW))
+                    events.append(TurnEvent("start", window * WINDOW, (window + 1) * WINDOW))
                 elif self._paused:
-                    events.append(TurnEvent("resume", window * WINDOW))
+                    events.append(TurnEvent("resume", window * WINDOW, (window + 1) * WINDOW))
                 self._silence_start, self._quiet_start, self._paused = None, None, False
                 continue
             if not self.speaking:
                 continue
             if prob >= self.neg_threshold:
                 if self._paused:
-                    events.append(TurnEvent("resume", window * WINDOW))
+                    events.append(TurnEvent("resume", window * WINDOW, (window + 1) * WINDOW))
                 self._quiet_start, self._paused = None, False
                 continue
             if self._silence_start is None:
@@ -92,8 +93,8 @@ class TurnDetector:
                 self._quiet_start = window
             if window + 1 - self._quiet_start >= self.pause_windows and not self._paused:
                 self._paused = True
-                events.append(TurnEvent("pause", self._silence_start * WINDOW))  # where the silence began
+                events.append(TurnEvent("pause", self._silence_start * WINDOW, (window + 1) * WINDOW))  # silence began
             if window + 1 - self._silence_start >= self.silence_windows:
-                events.append(TurnEvent("stop", (window + 1) * WINDOW))
+                events.append(TurnEvent("stop", (window + 1) * WINDOW, (window + 1) * WINDOW))
                 self.speaking, self._silence_start, self._quiet_start, self._paused = False, None, None, False
         return events

@@ -167,7 +167,7 @@ class AsyncEngineClient:
             except Exception as error:  # a message that cannot be pickled: its requests fail, the thread goes on
                 logger.exception("could not send a %r message to the engine", message[0])
                 if message[0] == "add":
-                    failed = [RequestOutput(request.request_id, [], [], True, "error",
+                    failed = [RequestOutput(request.request_id, [], [], True, "error", bug=True,
                                             error=f"could not send the request to the engine: {error}")
                               for request in message[1]]
                     try:

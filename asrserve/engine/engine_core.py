@@ -84,7 +84,7 @@ class EngineCore:
         if holds_no_speech(audio):
             self.finished_without_model[request_id] = _silence_output(request_id, known_language)
             return
-        previous = self.tokenizer.prompt_tokens(prompt) if prompt and prompt.strip() else None
+        previous = self._prompt_tokens(prompt) if prompt and prompt.strip() else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         detect_language = language is None and self.is_multilingual
         sot_index = tokens.index(self.tokenizer.special.sot)
@@ -121,6 +121,12 @@ class EngineCore:
         eot = self.tokenizer.special.eot
         if any(not 0 <= token < eot for token in prefix) or len(prefix) > self.dims.n_text_ctx // 2:
             raise InvalidRequestError(f"{what} must be at most half the context of text tokens")
+
+    def _prompt_tokens(self, prompt: str) -> list[int]:
+        try:
+            return self.tokenizer.prompt_tokens(prompt)
+        except UnicodeEncodeError:  # a lone surrogate, which JSON's "\ud800" escape can carry
+            raise InvalidRequestError("the prompt is not valid text: it holds a lone UTF-16 surrogate") from None
 
     def check_language(self, language: str | None, task: str) -> str | None:
         return check_language(self.tokenizer, self.model_name, language, task)

@@ -206,6 +206,11 @@ class EngineLoop:
                     )
                 except InvalidRequestError as error:
                     outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))
+                except Exception as error:  # a bug, but one request's: fail it alone, loudly, and go on
+                    logger.exception("could not add request %s", request.request_id)
+                    self.core.abort(request.request_id)  # whatever part of it was queued
+                    outputs.append(RequestOutput(request.request_id, [], [], True, "error", bug=True,
+                                                 error=f"the engine could not add the request: {type(error).__name__}"))
         elif kind == "abort":
             for request_id in payload:
                 output = self.core.abort(request_id)

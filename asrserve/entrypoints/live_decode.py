@@ -75,7 +75,8 @@ class DecodeCollector:
 
     def add(self, output) -> None:
         if output.finish_reason == "error":
-            raise InvalidRequestError(output.error or "the engine refused the request")
+            error = RuntimeError if output.bug else InvalidRequestError
+            raise error(output.error or "the engine refused the request")
         if output.restarted:
             self.token_ids.clear()
             self.logprobs.clear()

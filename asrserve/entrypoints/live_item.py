@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 
 from asrserve.config import SAMPLE_RATE
+from asrserve.entrypoints.live_decode import logprob_entry
+from asrserve.entrypoints.pieces import joiner
 
 
 class FinalsInFlight:
@@ -70,6 +72,29 @@ class Item:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     language: str | None = None
     previous_item_id: str | None = None  # the item committed before it, once it is committed
+    speech_started: bool = False  # announced (server VAD heard its speech begin)
+
+    def extend(self, segment: Segment, tokens: list[int], logprobs: list[float], language: str | None,
+               tokenizer, include_logprobs: bool) -> dict[str, Any] | None:
+        """The segment's text is now that of `tokens` (which begin with what was sent): the
+        delta event's fields for the difference, or None where the text did not grow."""
+        self.language = self.language or language
+        text = tokenizer.decode(tokens).strip()
+        assert text.startswith(segment.text), (text, segment.text)
+        delta = text[len(segment.text):]
+        new_tokens, new_logprobs = tokens[len(segment.stable):], logprobs[len(segment.stable):]
+        segment.stable, segment.stable_logprobs, segment.text = list(tokens), list(logprobs), text
+        if not delta:
+            return None
+        if len(segment.text) == len(delta) and self.sent:  # the segment's first words
+            delta = joiner(self.language, self.language) + delta
+        self.sent += delta
+        event: dict[str, Any] = {"item_id": self.item_id, "content_index": 0, "delta": delta}
+        if include_logprobs:
+            entries = [logprob_entry(tokenizer, *pair) for pair in zip(new_tokens, new_logprobs)]
+            self.logprobs.extend(entries)
+            event["logprobs"] = entries
+        return event
 
 
 class SessionAudio:

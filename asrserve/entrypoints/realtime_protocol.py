@@ -106,15 +106,15 @@ class SessionConfig:
         _no_unknown(session, ("type", "audio", "include", "object", "id", "expires_at"), "session")
         config = self
         if "include" in session:
-            include = session["include"] or []
+            include = [] if session["include"] is None else session["include"]
             if not isinstance(include, list) or any(item != LOGPROBS_INCLUDE for item in include):
                 raise RealtimeError(f"session.include may only list {LOGPROBS_INCLUDE!r}", param="session.include")
             config = replace(config, include_logprobs=bool(include))
-        audio = _object(session.get("audio") or {}, "session.audio")
+        audio = _object(_or_empty(session.get("audio")), "session.audio")
         _no_unknown(audio, ("input", "output"), "session.audio")
         if audio.get("output") is not None:
             raise RealtimeError("a transcription session has no audio output", param="session.audio.output")
-        source = _object(audio.get("input") or {}, "session.audio.input")
+        source = _object(_or_empty(audio.get("input")), "session.audio.input")
         _no_unknown(source, ("format", "transcription", "turn_detection", "noise_reduction"), "session.audio.input")
         if source.get("noise_reduction") is not None:
             raise RealtimeError(
@@ -136,6 +136,16 @@ def _object(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
+def _or_empty(value: Any) -> Any:
+    """An object left out or null is an empty one; anything else is what was sent (false, 0,
+    "" and [] are not objects, and are refused as such)."""
+    return {} if value is None else value
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON's true is not 1
+
+
 def _no_unknown(value: dict[str, Any], known: tuple[str, ...], param: str) -> None:
     for name in value:
         if name not in known:
@@ -148,7 +158,7 @@ def _with_format(config: SessionConfig, value: Any) -> SessionConfig:
     kind = value.get("type", "audio/pcm")
     if kind == "audio/pcm":
         rate = value.get("rate", 24_000)
-        if rate not in PCM_RATES:
+        if not _is_integer(rate) or rate not in PCM_RATES:
             raise RealtimeError(f"audio/pcm rate must be 24000 or 16000, got {rate!r}", param=f"{param}.rate")
         return replace(config, format=kind, rate=rate)
     if kind in ("audio/pcmu", "audio/pcma"):
@@ -189,14 +199,14 @@ def _turn_detection(value: Any) -> ServerVAD | None:
                         "interrupt_response", "idle_timeout_ms"), param)
     threshold = value.get("threshold")
     threshold = DEFAULT_THRESHOLD if threshold is None else threshold
-    if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise RealtimeError("threshold must be between 0 and 1", param=f"{param}.threshold")
     padding, silence = (value.get(name) for name in ("prefix_padding_ms", "silence_duration_ms"))
     padding = VAD_PREFIX_PADDING_MS if padding is None else padding
     silence = VAD_SILENCE_DURATION_MS if silence is None else silence
-    if not isinstance(padding, int) or not 0 <= padding <= 10_000:
+    if not _is_integer(padding) or not 0 <= padding <= 10_000:
         raise RealtimeError("prefix_padding_ms must be an integer from 0 to 10000", param=f"{param}.prefix_padding_ms")
-    if not isinstance(silence, int) or not 32 <= silence <= 10_000:
+    if not _is_integer(silence) or not 32 <= silence <= 10_000:
         raise RealtimeError("silence_duration_ms must be an integer from 32 to 10000",
                             param=f"{param}.silence_duration_ms")
     return ServerVAD(float(threshold), padding, silence)

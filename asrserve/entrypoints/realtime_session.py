@@ -23,7 +23,6 @@ from asrserve.entrypoints import live_decode
 from asrserve.entrypoints.live_decode import LiveDecode, WordBoundaries
 from asrserve.entrypoints.live_interims import interim_loop
 from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, sample_ms, user_item
-from asrserve.entrypoints.pieces import joiner
 from asrserve.entrypoints.protocol import usage_duration
 from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
 
@@ -97,8 +96,8 @@ class RealtimeSession:
                 await self._on_turn(turn)
             if self.item is None:  # keep only what the next turn's prefix padding needs
                 self.audio.drop_before(self.audio.end - self._padding)
-        if self.item is not None and self.audio.end - self.item.segments[-1].start >= N_SAMPLES:
-            self._close_full_segment(self.item)
+        while self.item is not None and self.audio.end - self.item.segments[-1].start >= N_SAMPLES:
+            self._close_full_segment(self.item)  # (one append may hold minutes)
         self._ensure_interim_loop()
 
     async def _commit(self, event: dict[str, Any]) -> None:
@@ -152,17 +151,23 @@ class RealtimeSession:
 
     async def _on_turn(self, turn: TurnEvent) -> None:
         sample = self._vad_origin + turn.sample
-        if turn.kind == "start" and self.item is None:
-            self.item = self._new_item(max(self.audio.origin, sample - self._padding))
+        if turn.kind == "start" and (self.item is None or not self.item.speech_started):
+            # (An item is open without it where appends opened it before server VAD was on.)
+            self.item = self.item or self._new_item(max(self.audio.origin, sample - self._padding))
+            self.item.speech_started = True
             await self.send(server_event(
-                "input_audio_buffer.speech_started", audio_start_ms=sample_ms(self.item.start),
-                item_id=self.item.item_id,
+                "input_audio_buffer.speech_started", item_id=self.item.item_id,
+                audio_start_ms=sample_ms(max(self.item.start, sample - self._padding)),
             ))
         elif self.item is None:
             return
         elif turn.kind == "pause":  # an interim decode now would only delay the final
             self._cancel_interim()
-            self._start_final(self.item.segments[-1], self.audio.end)  # early: ready when the turn ends
+            # Early, to be ready when the turn ends: up to where the pause was heard, not to the
+            # end of the append, which may hold the next turn's words.
+            end = self._vad_origin + turn.heard_until
+            if end - self.item.segments[-1].start <= N_SAMPLES:
+                self._start_final(self.item.segments[-1], end)
         elif turn.kind == "resume":
             self._drop_early_final(self.item.segments[-1])
         elif turn.kind == "stop":
@@ -190,6 +195,8 @@ class RealtimeSession:
         committed_at = time.monotonic()
         self.item = None
         self._cancel_interim()
+        while end - item.segments[-1].start > N_SAMPLES:  # more than 30 s came in one append
+            self._close_full_segment(item)
         segment = item.segments[-1]
         if segment.final is None:
             self._start_final(segment, max(end, segment.start + 1))
@@ -296,24 +303,9 @@ class RealtimeSession:
                      language: str | None) -> None:
         """The segment's text is now that of `tokens` (which begin with what was sent): sends
         the difference as a delta."""
-        item.language = item.language or language
-        text = self.tokenizer.decode(tokens).strip()
-        assert text.startswith(segment.text), (text, segment.text)
-        delta = text[len(segment.text):]
-        new_tokens = tokens[len(segment.stable):]
-        new_logprobs = logprobs[len(segment.stable):]
-        segment.stable, segment.stable_logprobs, segment.text = list(tokens), list(logprobs), text
-        if not delta:
-            return
-        if len(segment.text) == len(delta) and item.sent:  # the segment's first words
-            delta = joiner(item.language, item.language) + delta
-        item.sent += delta
-        event: dict[str, Any] = {"item_id": item.item_id, "content_index": 0, "delta": delta}
-        if self.config.include_logprobs:
-            entries = [live_decode.logprob_entry(self.tokenizer, *pair) for pair in zip(new_tokens, new_logprobs)]
-            item.logprobs.extend(entries)
-            event["logprobs"] = entries
-        await self.send(server_event("conversation.item.input_audio_transcription.delta", **event))
+        delta = item.extend(segment, tokens, logprobs, language, self.tokenizer, self.config.include_logprobs)
+        if delta is not None:
+            await self.send(server_event("conversation.item.input_audio_transcription.delta", **delta))
 
     # --- interim decodes --------------------------------------------------------------------
 
@@ -340,6 +332,11 @@ class RealtimeSession:
             await self._commit({})
         if self._last_completion is not None:
             await asyncio.wait({self._last_completion})
+
+    @property
+    def transcribing(self) -> bool:
+        """Whether a committed item (or an early final decode) is still being transcribed."""
+        return bool(self._tasks)
 
     def close(self) -> list[asyncio.Task]:
         """The client left, or shutdown cannot wait: its decodes stop; returns the tasks it cancelled."""

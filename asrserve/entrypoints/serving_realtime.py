@@ -230,6 +230,8 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             try:
                 message = await asyncio.wait_for(websocket.receive(), idle_timeout)
             except asyncio.TimeoutError:
+                if session.transcribing:  # a client waiting for its transcripts is not idle
+                    continue
                 await send(RealtimeError(f"no event for {idle_timeout:g} s: the session is closed",
                                          code="idle_timeout").event(None))
                 await websocket.close(1000, "idle timeout")
@@ -270,9 +272,10 @@ _EVENT_ID = re.compile(r'"event_id"\s*:\s*"((?:[^"\\]|\\.){0,512})"')
 def _event_id_in(text: str) -> str | None:
     found = _EVENT_ID.search(text)
     try:
-        return json.loads(f'"{found.group(1)}"') if found else None
+        event_id = json.loads(f'"{found.group(1)}"') if found else None
     except json.JSONDecodeError:
         return None
+    return event_id if _is_text(event_id) else None
 
 
 def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -287,12 +290,42 @@ def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         event = json.loads(text)
     except json.JSONDecodeError as error:
         raise RealtimeError(f"the event is not valid JSON: {error.msg}", code="invalid_json") from None
+    except (ValueError, RecursionError):  # an integer of thousands of digits, arrays nested thousands deep
+        raise RealtimeError("the event is not JSON we read: a number too long or nesting too deep",
+                            code="invalid_json") from None
     event_id = event.get("event_id") if isinstance(event, dict) else None
-    event_id = event_id if isinstance(event_id, str) else None
+    event_id = event_id if isinstance(event_id, str) and _is_text(event_id) else None
+    if _LONE_SURROGATE_ESCAPE.search(text) and not _is_text(event):
+        # "\ud800" alone is valid JSON but not text: it cannot be sent back, tokenized or logged.
+        raise RealtimeError("the event holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text",
+                            code="invalid_json", event_id=event_id)
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         raise RealtimeError("an event must be a JSON object with a string `type`", param="type",
                             code="invalid_event", event_id=event_id)
     return event, event_id
+
+
+# Where an event may hold a surrogate escape (a pair, as some encoders write emoji, is fine).
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _is_text(value: Any) -> bool:
+    """Whether every string in a parsed event encodes as UTF-8 (no lone surrogate). A loop, not
+    recursion: the event may nest as deep as the JSON parser allowed."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return True
 
 
 def _check_session(event: dict[str, Any], state: ServerState) -> None:

@@ -181,7 +181,7 @@ class TranscriptionJob:
             self.on_first_output()
             self.on_first_output = None
         if output.finish_reason == "error":
-            raise InvalidRequestError(output.error)
+            raise (RuntimeError if output.bug else InvalidRequestError)(output.error)
         if output.language is not None and self.language is None:
             self.language = output.language
         if self.first_token_time is None and any(t < self.tokenizer.special.eot for t in output.new_token_ids):
