@@ -608,3 +608,39 @@ def test_pieces_in_languages_with_and_without_spaces_are_joined_by_their_own():
     assert transcript_text(tokenizer, pieces, "ja") == "キョウハニゼンキ Der hinter diesem Portal liegenden Raum"
     assert transcript_text(tokenizer, pieces[2:], "de") == "Der hinter diesem Portal liegenden Raum"
     assert transcript_text(tokenizer, pieces[:2], None) == "キョウハニゼンキ"
+
+
+def test_words_joins_and_the_language_follow_what_each_piece_is_written_in(tokenizer):
+    """A long file's words were split by the first piece's language for every piece (a
+    Japanese part after an English one came out as one "word"); a translation's English texts
+    were joined and split by the language spoken (zh: no space between sentences, a word per
+    token); and the language reported came from a piece judged silence (Welsh, for an English
+    recording after 30 s of near-silence)."""
+    from asrserve.engine.request import DecodeSummary
+    from asrserve.entrypoints.pieces import spoken_language, transcript_text
+
+    def piece(offset: float, text: str, language: str) -> PieceResult:
+        ids = tokenizer.encode(text)
+        result = PieceResult(offset, 30.0, [_ts(tokenizer, 0.0), *ids, _ts(tokenizer, 5.0)], language=language,
+                             summary=_summary(-0.1, 1.0))
+        result.summary.token_times = [i * 5.0 / len(ids) for i in range(len(ids) + 1)]
+        return result
+
+    def words(pieces, language, task="transcribe"):
+        return [[w.word for w in s.words] for s in build_segments(tokenizer, pieces, language, True, task)]
+
+    english, japanese = piece(0.0, " Hello there, my friend.", "en"), piece(30.0, "今日はいい天気ですね。", "ja")
+    alone = words([english], "en") + words([japanese], "ja")
+    assert len(alone[1]) > 1
+    assert words([english, japanese], "en") == words([english, japanese], "ja") == alone
+    # a translation from Chinese: English, joined and split as English
+    first, second = piece(0.0, " And so my fellow Americans,", "zh"), piece(30.0, " ask not.", "zh")
+    assert transcript_text(tokenizer, [first, second], "zh", "translate") == "And so my fellow Americans, ask not."
+    assert transcript_text(tokenizer, [first, second], "zh") == "And so my fellow Americans,ask not."
+    assert words([first, second], "zh", "translate") == words([first, second], "en")
+    assert [len(w) for w in words([first, second], "zh", "translate")] == [5, 2]
+    # the language heard first, silence aside
+    silent = PieceResult(0.0, 30.0, [], language="cy",
+                         summary=DecodeSummary(0.0, -1.0, 0.0, 0.9, True, 1))
+    assert spoken_language([silent, english], None) == "en"
+    assert spoken_language([silent], None) is None and spoken_language([silent], "de") == "de"

@@ -23,7 +23,7 @@ from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
 from asrserve.entrypoints.pieces import (
-    PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, transcript_text,
+    PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, spoken_language, transcript_text,
 )
 from asrserve.entrypoints.segments import Segment, Word, build_segments
 from asrserve.errors import InvalidRequestError
@@ -265,7 +265,7 @@ class ASR:
                     if job.remaining == 0:
                         if bar is not None:
                             bar.update(1)
-                        yield job.index, self._finish(job, params, text_limit)
+                        yield job.index, self._finish(job, params, text_limit, task)
                     in_flight += job.remaining
                 if not engine.has_work():
                     break
@@ -281,7 +281,7 @@ class ASR:
                         if job.remaining == 0:
                             if bar is not None:
                                 bar.update(1)
-                            yield job.index, self._finish(job, params, text_limit)
+                            yield job.index, self._finish(job, params, text_limit, task)
         finally:
             for request_id in list(requests):  # the caller stopped early: free everything
                 engine.abort(request_id)
@@ -301,20 +301,20 @@ class ASR:
         checked = [self.engine.check_language(code, task) for code in languages]
         return checked.__getitem__
 
-    def _finish(self, job: _Job, params: SamplingParams, text_limit: int | None) -> Transcription:
+    def _finish(self, job: _Job, params: SamplingParams, text_limit: int | None, task: str) -> Transcription:
         if job.error is not None:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
         drop_repeated_words(self.tokenizer, job.pieces)
         cap_text_tokens(job.pieces, text_limit, self.tokenizer.special.eot)
-        language = next((piece.language for piece in job.pieces if piece.language), None)
+        language = spoken_language(job.pieces, None)
         spoken = [piece for piece in job.pieces if not piece.is_silence]
         is_timestamp = self.tokenizer.is_timestamp
         all_logprobs = [lp for piece in spoken for lp in piece.logprobs]
         segments = None
         if params.timestamps:
-            segments = build_segments(self.tokenizer, job.pieces, language, words=params.word_timestamps)
+            segments = build_segments(self.tokenizer, job.pieces, language, words=params.word_timestamps, task=task)
         return Transcription(
-            text=transcript_text(self.tokenizer, job.pieces, language),
+            text=transcript_text(self.tokenizer, job.pieces, language, task),
             language=language,
             duration=job.duration,
             token_ids=[t for piece in spoken for t in piece.token_ids if params.timestamps or not is_timestamp(t)],

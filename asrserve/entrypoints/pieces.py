@@ -107,14 +107,28 @@ def joiner(before: str | None, after: str | None) -> str:
     return "" if before in NO_SPACE_LANGUAGES and after in NO_SPACE_LANGUAGES else " "
 
 
-def transcript_text(tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None) -> str:
+def written_in(language: str | None, task: str) -> str | None:
+    """The language a piece's text is written in: its speech's, or English for a translation
+    (whose texts are joined and split into words as English, whatever was spoken)."""
+    return "en" if task == "translate" else language
+
+
+def spoken_language(pieces: list[PieceResult], default: str | None) -> str | None:
+    """The first language heard in time: pieces judged silence say nothing (Whisper "detects"
+    Welsh or Nynorsk in near-silence)."""
+    return next((piece.language for piece in pieces if piece.language and not piece.is_silence), default)
+
+
+def transcript_text(tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None,
+                    task: str = "transcribe") -> str:
     """The pieces' texts in order, stripped and joined (each pair by joiner, a piece's own
-    language first, `language` where it has none); pieces judged silence contribute nothing."""
+    language first, `language` where it has none; English for a translation); pieces judged
+    silence contribute nothing."""
     text, previous = "", None
     for piece in pieces:
         piece_text = "" if piece.is_silence else tokenizer.decode(piece.token_ids).strip()
         if piece_text:
-            current = piece.language or language
+            current = written_in(piece.language or language, task)
             text += (joiner(previous, current) if text else "") + piece_text
             previous = current
     return text

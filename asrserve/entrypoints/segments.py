@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asrserve.entrypoints.pieces import PieceResult
+from asrserve.entrypoints.pieces import PieceResult, written_in
 from asrserve.entrypoints.words import split_words
 from asrserve.model.tokenizer import WhisperTokenizer
 
@@ -47,15 +47,18 @@ class Segment:
 
 
 def build_segments(
-    tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None, words: bool = False
+    tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None, words: bool = False,
+    task: str = "transcribe",
 ) -> list[Segment]:
+    """Each piece's words are split by the language its text is written in (pieces.written_in):
+    a Japanese piece after an English one has no spaces between its words."""
     segments: list[Segment] = []
     for piece in pieces:
         if piece.is_silence:
             continue
         piece_segments = _piece_segments(tokenizer, piece, first_id=len(segments))
         if words and piece.summary is not None and piece.summary.token_times:
-            _add_words(tokenizer, piece, piece_segments, language)
+            _add_words(tokenizer, piece, piece_segments, written_in(piece.language or language, task))
         segments.extend(piece_segments)
     return segments
 

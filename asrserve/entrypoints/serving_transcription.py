@@ -221,7 +221,7 @@ def _render(state: ServerState, job: TranscriptionJob, job_params: Transcription
         if job_params.request.include:
             body["logprobs"] = _logprob_entries(state, job.text_logprobs())
         return JSONResponse(body)
-    segments = build_segments(state.tokenizer, job.pieces, job.language, words=job_params.words)
+    segments = build_segments(state.tokenizer, job.pieces, job.language, words=job_params.words, task=job.task)
     if response_format == "srt":
         return Response(to_srt(segments), media_type=CONTENT_TYPES["srt"])
     if response_format == "vtt":

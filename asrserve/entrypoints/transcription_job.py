@@ -20,7 +20,7 @@ from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length
 from asrserve.entrypoints.pieces import (
-    PieceResult, cap_text_tokens, joiner, long_form_params, transcript_text,
+    PieceResult, cap_text_tokens, joiner, long_form_params, spoken_language, transcript_text, written_in,
 )
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.errors import InvalidRequestError
@@ -229,7 +229,7 @@ class TranscriptionJob:
                     num_shown = len(shown)
                 delta = text.update(shown)
                 if delta:
-                    yield self._add_text(delta, piece_started, piece.language or self.language)
+                    yield self._add_text(delta, piece_started, written_in(piece.language or self.language, self.task))
                     piece_started = True
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
             following = None if at_limit else self._continue(piece, samples, depth)
@@ -239,7 +239,7 @@ class TranscriptionJob:
             self.num_output_tokens += len(shown)
             delta = text.update(shown) + text.finish()
             if delta:
-                yield self._add_text(delta, piece_started, piece.language or self.language)
+                yield self._add_text(delta, piece_started, written_in(piece.language or self.language, self.task))
             if at_limit:
                 self.abort()
                 return
@@ -277,12 +277,12 @@ class TranscriptionJob:
         self.pieces = [piece for chain in done for piece in chain]
         drop_repeated_words(self.tokenizer, self.pieces)
         # The first piece's language in time, not the first to be detected (as the join below reads it).
-        self.language = next((piece.language for piece in self.pieces if piece.language), self.language)
+        self.language = spoken_language(self.pieces, self._requested_language)
         if self.language is not None:
             for piece in self.pieces:
                 piece.language = piece.language or self.language
         self.num_output_tokens = cap_text_tokens(self.pieces, self.max_completion_tokens, self.tokenizer.special.eot)
-        self.text = transcript_text(self.tokenizer, self.pieces, self.language)
+        self.text = transcript_text(self.tokenizer, self.pieces, self.language, self.task)
         return self.text
 
     async def _decode_chain(self, stream: RequestStream, piece: PieceResult, samples: np.ndarray) -> list[PieceResult]:
