@@ -570,3 +570,21 @@ def test_the_host_step_benchmark_runs_the_cuda_graph_fill_on_a_cpu():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["running"] == 16 and result["steps"] > 0
     assert all(result[name] > 0 for name in ("schedule", "fill", "update", "step_less_sampler"))
+
+
+def test_a_full_prompt_beside_a_full_prefix_leaves_room_to_decode(tiny_en_engine, speech_audio):
+    """A prompt of 223 tokens and a prefix of 224 (a live turn's text so far, with a long
+    session prompt) passed their own checks but not the 448-token context together: the step
+    computed positions past it and raised, which killed the engine. The prompt's earliest
+    tokens give way."""
+    tokenizer = tiny_en_engine.tokenizer
+    prefix = (tokenizer.encode(" hello") * 224)[:224]
+    for timestamps in (False, True):
+        request_id = f"full-{timestamps}"
+        tiny_en_engine.add_request(request_id, speech_audio[0], prompt=" ".join(["word"] * 400),
+                                   sampling_params=SamplingParams(timestamps=timestamps), prefix=prefix)
+        request = tiny_en_engine.scheduler.requests[request_id]
+        assert len(request.prompt_token_ids) + request.max_tokens <= 448 and request.max_tokens >= 32
+        assert request.prompt_token_ids[0] == tokenizer.special.sot_prev  # a prompt is kept, shortened
+        run_to_completion(tiny_en_engine)
+    assert_idle_and_clean(tiny_en_engine)

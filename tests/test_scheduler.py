@@ -633,3 +633,24 @@ def test_the_text_token_limit_counts_each_token_once_and_each_sample_afresh():
     assert not request.at_length_limit(10_000, eot)
     request.output_token_ids += [63]
     assert request.at_length_limit(10_000, eot)
+
+
+@pytest.mark.parametrize("num_blocks", [123, 130, 135, 149])
+def test_samples_that_need_the_whole_context_finish_in_the_smallest_pool(num_blocks):
+    """best_of 2, each sample to the end of the context after a long prompt, in a pool that
+    holds one full-length request (122 blocks) and little more: the request's own sample
+    finished first and parked holding all its blocks; its sibling then ran out of room, let
+    itself go, restarted from the same seed and ran out again, for ever (the engine stepped
+    without end, nothing else admitted). Parked, a request keeps only what siblings read."""
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=3, max_encoder_batch=1)
+    prompt = [50360] + [1000] * 223 + [SOT, NO_TIMESTAMPS]
+    params = SamplingParams(temperature=1.0, best_of=2, ignore_eos=True)
+    request = make_request("a", max_tokens=448 - len(prompt), params=params, prompt=prompt)
+    scheduler.add(request)
+    later = make_request("b")
+    scheduler.add(later)
+    outputs, _ = run_to_end(scheduler, lambda sequence: (2000 + len(sequence.output_token_ids), -0.5), max_steps=3000)
+    finished = {output.request_id: output for output in outputs if output.finished}
+    assert finished["a"].finish_reason == "length" and len(request.group.finished) == 2
+    assert "b" in finished  # and the request behind it is served
+    assert_nothing_held(scheduler)

@@ -82,6 +82,13 @@ class BlockManager:
             self._release(block_id)
         del request.self_block_table[keep:]
 
+    def keep_prompt_only(self, request: Request) -> None:
+        """A sample is over (another may start after the prompt): the request keeps its
+        cross-attention and prompt blocks, and its last prompt token counts as not computed,
+        so that a new sample gets its logits back."""
+        self.trim(request, len(request.prompt_token_ids))
+        request.num_computed_tokens = len(request.prompt_token_ids) - 1
+
     def shareable_tokens(self, request: Request) -> int:
         """Prompt tokens a sibling can read from the request's blocks: whole blocks, already
         computed, short of the last prompt token (whose logits the sibling needs)."""

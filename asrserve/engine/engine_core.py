@@ -19,6 +19,9 @@ from asrserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+MIN_DECODE_TOKENS = 32  # the least room to decode a prompt leaves, beside a prefix
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
@@ -84,7 +87,17 @@ class EngineCore:
         if holds_no_speech(audio):
             self.finished_without_model[request_id] = _silence_output(request_id, known_language)
             return
+        prefix = list(prefix or [])
+        if prefix:
+            self.check_prefix(prefix)
         previous = self._prompt_tokens(prompt) if prompt and prompt.strip() else None
+        if previous:
+            # The context holds the prompt, the prefix and room to decode: a long prefix (a live
+            # turn's text so far) takes its room from the prompt's earliest tokens, as
+            # openai/whisper keeps a prompt's last (a full prompt and prefix overran the context).
+            fixed = len(self.tokenizer.sot_sequence(language, task, sampling_params.timestamps)) + 3 + len(prefix)
+            keep = self.dims.n_text_ctx - fixed - 1 - MIN_DECODE_TOKENS
+            previous = previous[-keep:] if keep > 0 else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         detect_language = language is None and self.is_multilingual
         sot_index = tokens.index(self.tokenizer.special.sot)
@@ -93,9 +106,6 @@ class EngineCore:
             # From <|startoftranscript|> alone, as openai/whisper and transformers detect it: after a
             # Japanese prompt base read English as Japanese. The prompt goes in front afterwards.
             previous_text, tokens, sot_index = tokens[:sot_index], tokens[sot_index:], 0
-        prefix = list(prefix or [])
-        if prefix:
-            self.check_prefix(prefix)
         if draft:
             self.check_prefix(draft, "a draft")
         if not detect_language:

@@ -223,9 +223,10 @@ class Scheduler:
                 self._drop_sibling(sequence)
             elif key is not None:
                 self._restart(sequence, key)
-            else:
+            else:  # parked with what its siblings read: its sample's own blocks would starve theirs
                 self.running.remove(sequence)
                 self.parked.append(sequence)
+                self.block_manager.keep_prompt_only(sequence)
             return []
 
         summary = chosen.summary
@@ -259,9 +260,7 @@ class Scheduler:
         """The request decodes another sample over the same cross-attention K/V and prompt
         K/V: the last prompt token is recomputed to get its logits back."""
         self._start_sample(request, key)
-        num_prompt = len(request.prompt_token_ids)
-        self.block_manager.trim(request, num_prompt)
-        request.num_computed_tokens = num_prompt - 1
+        self.block_manager.keep_prompt_only(request)
 
     def _can_start_sibling(self, request: Request) -> bool:
         if not request.cross_kv_written or request.needs_language or request.group.next_unassigned() is None:
