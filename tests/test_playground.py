@@ -202,12 +202,16 @@ def test_the_playground_transcribes_the_microphone_live(chromium, server, speech
                 Number(item.dataset.startMs), Number(item.dataset.endMs)]); })()""", timeout=60)
         browser.evaluate("document.getElementById('live').click()")  # Stop
         browser.wait_for("document.getElementById('live').textContent === 'Live'")
-        status, failed = browser.evaluate("""[document.getElementById('live-status').textContent,
-            document.querySelectorAll('#live-items li.failed').length]""")
+        status, failed, shown = browser.evaluate("""[document.getElementById('live-status').textContent,
+            document.querySelectorAll('#live-items li.failed').length,
+            document.querySelectorAll('#live-items li').length]""")
     finally:
         browser.close()
 
     assert len(items) == 2 and failed == 0 and status == "stopped", (items, status)
+    # Stop between turns commits nothing: it committed the silence kept as prefix padding, a
+    # third item reading "" or "you"
+    assert shown == 2, shown
     for (text, start_ms, end_ms), index in zip(items, (first, second)):
         # the API's own transcription of the turn server VAD heard (as the browser's clock placed it)
         turn = tmp_path / f"turn{index}.wav"

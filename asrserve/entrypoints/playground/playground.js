@@ -190,6 +190,7 @@ function onLiveEvent(session, event) {
       setStatus("live-status", "listening: speak");
       break;
     case "input_audio_buffer.speech_started":
+      session.turnOpen = true;
       item.className = "speaking";
       item.dataset.startMs = event.audio_start_ms;
       break;
@@ -199,6 +200,7 @@ function onLiveEvent(session, event) {
       break;
     case "input_audio_buffer.committed":
       session.pending.add(event.item_id);
+      session.turnOpen = session.awaitingCommit = false; // (Stop's commit, or server VAD's just before it)
       break;
     case "conversation.item.input_audio_transcription.delta":
       item.querySelector(".text").textContent += event.delta;
@@ -221,13 +223,18 @@ function onLiveEvent(session, event) {
       session.pending.delete(event.item_id);
       break;
     case "error":
-      // Stopping commits whatever is buffered; with nothing there, the server says so. Not news.
-      if (!(session.stopping && event.error.code === "input_audio_buffer_commit_empty")) {
-        setStatus("live-status", event.error.message, true);
-      }
+      // Stopping commits the open turn; if it had just been committed, the server says so. Not news.
+      if (session.stopping && event.error.code === "input_audio_buffer_commit_empty") session.awaitingCommit = false;
+      else setStatus("live-status", event.error.message, true);
       break;
   }
-  if (session.stopping && session.pending.size === 0) session.socket.close(1000);
+  closeWhenDone(session);
+}
+
+// A stopping session closes once its last turn is committed and every transcript is in: an
+// event arriving between Stop and the commit's answer closed it, and that turn was lost.
+function closeWhenDone(session) {
+  if (session.stopping && !session.awaitingCommit && session.pending.size === 0) session.socket.close(1000);
 }
 
 async function startCapture(session) {
@@ -271,8 +278,18 @@ async function startLive() {
   if (apiKey()) protocols.push(`openai-insecure-api-key.${apiKey()}`);
   const url = new URL("v1/realtime?intent=transcription", location.href);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
-  const socket = new WebSocket(url, protocols);
-  const session = { socket, stream: null, context: null, pending: new Set(), stopping: false, opened: false, closed: false };
+  let socket;
+  try {
+    socket = new WebSocket(url, protocols);
+  } catch {
+    // Its message would show the key. A subprotocol is a token: no slash, equals sign, comma or space.
+    throw new Error("this API key cannot go in a WebSocket subprotocol (a browser's only way to send one): "
+      + "live transcription needs a key of letters, digits and - _ . ~ + only");
+  }
+  const session = {
+    socket, stream: null, context: null, pending: new Set(), stopping: false, opened: false, closed: false,
+    turnOpen: false, awaitingCommit: false, failed: false,
+  };
   live = session;
   $("live").textContent = "Stop";
   setStatus("live-status", "connecting…");
@@ -287,7 +304,7 @@ async function startLive() {
         ? "could not connect: the server is down, or refused the API key or this page's origin (--allowed-origins)"
         : event.code === 1012 ? "the server is restarting" : event.code === 1006 ? "connection lost" : `code ${event.code}`);
       setStatus("live-status", `connection closed: ${why}`, true);
-    } else {
+    } else if (!session.failed) {  // (a microphone error stays shown)
       setStatus("live-status", "stopped");
     }
   };
@@ -322,7 +339,10 @@ async function startLive() {
     await startCapture(session);
   } catch (error) {
     // (A Stop or a close while the microphone opened is no microphone error.)
-    if (!session.stopping && !session.closed) setStatus("live-status", `microphone: ${error.message}`, true);
+    if (!session.stopping && !session.closed) {
+      session.failed = true;
+      setStatus("live-status", `microphone: ${error.message}`, true);
+    }
     session.stopping = true;
     socket.close(1000);
   }
@@ -337,9 +357,15 @@ function stopLive() {
   session.stopping = true;
   stopCapture(session);
   if (session.socket.readyState !== WebSocket.OPEN) return;
-  session.socket.send(JSON.stringify({ type: "input_audio_buffer.commit" }));
   setStatus("live-status", "finishing…");
   setTimeout(() => session.socket.close(1000), 15000); // do not wait for ever
+  // Between turns there is nothing to commit: the server would commit the silence it keeps
+  // as a turn's prefix padding, and Whisper reads silence as "you".
+  if (session.turnOpen) {
+    session.awaitingCommit = true;
+    session.socket.send(JSON.stringify({ type: "input_audio_buffer.commit" }));
+  }
+  closeWhenDone(session);
 }
 
 function endLive() {
