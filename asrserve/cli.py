@@ -188,12 +188,16 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 
 def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
     """Each option of `parser` also reads ASRSERVE_<OPTION> (lists: comma-separated); a flag on
-    the command line still wins. --help shows the variable's name."""
+    the command line still wins. --help shows the variable's name, and the default where the
+    help does not say it."""
     for action in parser._actions:
         if action.dest in ("help", argparse.SUPPRESS):
             continue
         name = ENV_PREFIX + action.dest.upper()
-        action.help = f"{action.help or ''} [env: {name}]".strip()
+        default = action.default
+        said = default is None or isinstance(default, bool) or "default" in (action.help or "")
+        default = "" if said else f"default: {' '.join(map(str, default)) if isinstance(default, list) else default}; "
+        action.help = f"{action.help or ''} [{default}env: {name}]".strip()
         value = os.environ.get(name)
         if value is None or value == "":
             continue

@@ -84,6 +84,11 @@ def test_bad_inputs_raise_or_return(asr, speech_files, tmp_path):
     assert "brown fox" in results[0].text.lower() and "plastic snake" in results[2].text.lower()
     with pytest.raises(InvalidRequestError, match="English-only"):
         asr.transcribe(speech_files[0], language="fr")
+    # samples as a list (each number was an input of its own: 140,000 errors), a prompt not text
+    with pytest.raises(InvalidRequestError, match="numpy array"):
+        asr.transcribe([0.0] * 16_000, errors="return")
+    with pytest.raises(InvalidRequestError, match="prompt must be text"):
+        asr.transcribe(speech_files[0], prompt=5)
     assert not asr.engine.has_work()
 
 

@@ -185,8 +185,13 @@ class ASR:
         generator of them) never sits in memory at once."""
         if errors not in ("raise", "return"):
             raise ValueError("errors must be 'raise' or 'return'")
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be text, got {type(prompt).__name__}")
         if _is_single(sources):
             sources = [sources]
+        elif isinstance(sources, (list, tuple)) and sources and isinstance(sources[0], (int, float)):
+            # (each number would be read as an input of its own, and fail as one)
+            raise InvalidRequestError("a list of numbers is a list of inputs: pass samples as a numpy array")
         elif not (language is None or isinstance(language, str)) and not hasattr(sources, "__len__"):
             sources = list(sources)  # one language per input: counted against the inputs
         count = len(sources) if hasattr(sources, "__len__") else None
