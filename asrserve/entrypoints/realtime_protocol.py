@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -210,6 +211,29 @@ def _turn_detection(value: Any) -> ServerVAD | None:
         raise RealtimeError("silence_duration_ms must be an integer from 32 to 10000",
                             param=f"{param}.silence_duration_ms")
     return ServerVAD(float(threshold), padding, silence)
+
+
+# Where an event may hold a surrogate escape (a pair, as some encoders write emoji, is fine).
+LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def is_text(value: Any) -> bool:
+    """Whether every string in a parsed event encodes as UTF-8 (no lone surrogate). A loop, not
+    recursion: the event may nest as deep as the JSON parser allowed."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return True
 
 
 # --- input audio ---------------------------------------------------------------------------

@@ -27,7 +27,9 @@ from asrserve.entrypoints.live_shutdown import (
     CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, LiveConnection, drain_sessions, shutting_down,
 )
 from asrserve.entrypoints.protocol import APIError
-from asrserve.entrypoints.realtime_protocol import RealtimeError, SessionConfig, new_id, server_event
+from asrserve.entrypoints.realtime_protocol import (
+    LONE_SURROGATE_ESCAPE, RealtimeError, SessionConfig, is_text, new_id, server_event,
+)
 from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSession
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
@@ -275,7 +277,7 @@ def _event_id_in(text: str) -> str | None:
         event_id = json.loads(f'"{found.group(1)}"') if found else None
     except json.JSONDecodeError:
         return None
-    return event_id if _is_text(event_id) else None
+    return event_id if is_text(event_id) else None
 
 
 def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -294,8 +296,8 @@ def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         raise RealtimeError("the event is not JSON we read: a number too long or nesting too deep",
                             code="invalid_json") from None
     event_id = event.get("event_id") if isinstance(event, dict) else None
-    event_id = event_id if isinstance(event_id, str) and _is_text(event_id) else None
-    if _LONE_SURROGATE_ESCAPE.search(text) and not _is_text(event):
+    event_id = event_id if isinstance(event_id, str) and is_text(event_id) else None
+    if LONE_SURROGATE_ESCAPE.search(text) and not is_text(event):
         # "\ud800" alone is valid JSON but not text: it cannot be sent back, tokenized or logged.
         raise RealtimeError("the event holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text",
                             code="invalid_json", event_id=event_id)
@@ -303,29 +305,6 @@ def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         raise RealtimeError("an event must be a JSON object with a string `type`", param="type",
                             code="invalid_event", event_id=event_id)
     return event, event_id
-
-
-# Where an event may hold a surrogate escape (a pair, as some encoders write emoji, is fine).
-_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _is_text(value: Any) -> bool:
-    """Whether every string in a parsed event encodes as UTF-8 (no lone surrogate). A loop, not
-    recursion: the event may nest as deep as the JSON parser allowed."""
-    pending = [value]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return False
-        elif isinstance(value, dict):
-            pending.extend(value.keys())
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-    return True
 
 
 def _check_session(event: dict[str, Any], state: ServerState) -> None:
