@@ -195,7 +195,7 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
             continue
         name = ENV_PREFIX + action.dest.upper()
         default = action.default
-        said = default is None or isinstance(default, bool) or "default" in (action.help or "")
+        said = default in (None, "") or isinstance(default, bool) or "(default" in (action.help or "")
         default = "" if said else f"default: {' '.join(map(str, default)) if isinstance(default, list) else default}; "
         action.help = f"{action.help or ''} [{default}env: {name}]".strip()
         value = os.environ.get(name)

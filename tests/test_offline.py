@@ -283,6 +283,7 @@ def test_digital_silence_is_answered_without_the_model(asr, speech_files, monkey
     monkeypatch.setattr(asr.engine.runner, "execute", lambda out: executed.append(out) or original(out))
     results = asr.transcribe([silence, np.concatenate([silence, speech])], timestamps=True, word_timestamps=True)
     assert results[0].text == "" and results[0].segments == [] and results[0].duration == 35.0
+    assert results[0].language == results[1].language == "en"  # an English-only model's, silence or not
     assert {"quick", "lazy"} <= set(results[1].text.lower().split())
     assert results[1].words[0].start >= 35.0 - 1.0  # the words are where the speech is
     # Only the one piece with speech ran through the model.

@@ -217,3 +217,37 @@ def test_the_playground_transcribes_the_microphone_live(chromium, server, speech
         turn = tmp_path / f"turn{index}.wav"
         speech_wav(turn, audio[start_ms * 16 : end_ms * 16])
         assert close_enough(SENTENCES[index], text, _transcribe(server, turn)["text"]), (items, index)
+
+
+@pytest.mark.slow
+def test_live_without_server_vad_commits_what_was_said_on_stop(chromium, speech_audio, tmp_path):
+    """Where the server cannot load Silero VAD a live session takes manual commits (the page's
+    server_vad is refused): Stop commits what was said. Waiting for server VAD's turns, it
+    committed nothing, and the words shown so far were lost."""
+    import os
+    import time
+
+    shadow = tmp_path / "shadow" / "silero_vad"  # a package of that name without its weights, found first
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    pythonpath = os.pathsep.join(filter(None, [str(shadow.parent), os.environ.get("PYTHONPATH")]))
+    process = ServerProcess(["--api-key", API_KEY, "--dtype", "float32", "--realtime-interim-interval-s", "0.3"],
+                            env={"PYTHONPATH": pythonpath})
+    audio = np.concatenate([silence(0.5), speech_audio[5], silence(1.0)])
+    path = tmp_path / "microphone.wav"
+    speech_wav(path, audio)
+    browser = Browser(chromium, microphone=path)
+    try:
+        process.wait_ready()
+        open_playground(browser, process)
+        browser.evaluate("document.getElementById('live').click()")
+        browser.wait_for("/VAD/.test(document.getElementById('live-status').textContent)")  # says why
+        time.sleep(len(audio) / 16_000 + 0.5)  # the fake microphone plays the file once
+        browser.evaluate("document.getElementById('live').click()")  # Stop
+        browser.wait_for("document.getElementById('live').textContent === 'Live'", timeout=60)
+        shown = browser.evaluate("""[...document.querySelectorAll('#live-items li.final .text')]
+            .map((text) => text.textContent)""")
+    finally:
+        browser.close()
+        process.stop()
+    assert len(shown) == 1 and close_enough(SENTENCES[5], shown[0], SENTENCES[5]), shown

@@ -635,13 +635,14 @@ def test_the_text_token_limit_counts_each_token_once_and_each_sample_afresh():
     assert request.at_length_limit(10_000, eot)
 
 
-@pytest.mark.parametrize("num_blocks", [123, 130, 135, 149])
-def test_samples_that_need_the_whole_context_finish_in_the_smallest_pool(num_blocks):
-    """best_of 2, each sample to the end of the context after a long prompt, in a pool that
-    holds one full-length request (122 blocks) and little more: the request's own sample
-    finished first and parked holding all its blocks; its sibling then ran out of room, let
-    itself go, restarted from the same seed and ran out again, for ever (the engine stepped
-    without end, nothing else admitted). Parked, a request keeps only what siblings read."""
+@pytest.mark.parametrize("num_blocks", [122, 123, 130, 135, 149])
+@pytest.mark.parametrize("own_sample_ends_at", [None, 60])
+def test_samples_that_need_the_whole_context_finish_in_the_smallest_pool(num_blocks, own_sample_ends_at):
+    """best_of 2, a sample to the end of the context after a long prompt, in a pool that holds
+    one full-length request (122 blocks) and little more: the request's own sample finished
+    first and parked holding its blocks; its sibling then ran out of room, let itself go,
+    restarted from the same seed and ran out again, for ever (the engine stepped without end,
+    nothing else admitted). Parked, a request keeps only the blocks its siblings read."""
     scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=3, max_encoder_batch=1)
     prompt = [50360] + [1000] * 223 + [SOT, NO_TIMESTAMPS]
     params = SamplingParams(temperature=1.0, best_of=2, ignore_eos=True)
@@ -649,8 +650,14 @@ def test_samples_that_need_the_whole_context_finish_in_the_smallest_pool(num_blo
     scheduler.add(request)
     later = make_request("b")
     scheduler.add(later)
-    outputs, _ = run_to_end(scheduler, lambda sequence: (2000 + len(sequence.output_token_ids), -0.5), max_steps=3000)
+
+    def model(sequence):
+        if sequence.sample_key == (0, 0) and len(sequence.output_token_ids) == own_sample_ends_at:
+            return EOT, -0.5  # (ignore_eos still ends a sample where the model is made to)
+        return 2000 + len(sequence.output_token_ids), -0.5
+
+    outputs, _ = run_to_end(scheduler, model, max_steps=3000)
     finished = {output.request_id: output for output in outputs if output.finished}
-    assert finished["a"].finish_reason == "length" and len(request.group.finished) == 2
+    assert len(request.group.finished) == 2
     assert "b" in finished  # and the request behind it is served
     assert_nothing_held(scheduler)

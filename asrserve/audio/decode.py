@@ -72,10 +72,9 @@ def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     samples = samples.astype(np.float32, copy=False)
     if not np.isfinite(samples).all():
         raise AudioError("audio contains NaN or infinite samples")
-    samples = clip_to_full_scale(samples)
     if sample_rate != SAMPLE_RATE:
         samples = soxr.resample(samples, sample_rate, SAMPLE_RATE, quality="HQ").astype(np.float32, copy=False)
-    return np.ascontiguousarray(samples)
+    return np.ascontiguousarray(clip_to_full_scale(samples))  # after resampling, as files are
 
 
 def clip_to_full_scale(samples: np.ndarray) -> np.ndarray:
@@ -118,7 +117,8 @@ class MonoResampler:
         self.of_what = ""
         if max_duration_s is not None and rate * channels > DECODE_BUDGET_RATE:
             max_duration_s *= DECODE_BUDGET_RATE / (rate * channels)
-            self.of_what = f" of {channels} channels at {rate} Hz (past 8 channels at 48 kHz the limit shrinks)"
+            self.of_what = (f" of {channels} channels at {rate} Hz (past 384,000 samples a second, 8 channels at 48 kHz, "
+                            "the limit shrinks in proportion)")
         # A declared length over the limit is refused before anything is decoded; an estimate
         # (declared_exact False: an MP3's or a bare AAC stream's) only sizes the buffer.
         if declared_exact and declared_frames > 0:
@@ -198,9 +198,11 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
             raise AudioError(f"{source} is a folder, not an audio file")
         if not path.exists():
             raise AudioError(f"audio file not found: {source}")
-        if not path.is_file():  # a pipe (the shell's <(...)), a device: read as a stream
+        if path.is_fifo():  # a pipe (the shell's <(...)): read as a stream
             with open(path, "rb") as stream:
                 return _decode(stream.read(), max_duration_s, on_progress)
+        if not path.is_file():  # a device (/dev/zero would never end)
+            raise AudioError(f"{source} is not a file or a pipe")
         if path.stat().st_size == 0:
             raise AudioError(f"audio is empty: {source} has no bytes")
     elif hasattr(source, "mode") and "b" not in source.mode:

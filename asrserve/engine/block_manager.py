@@ -83,11 +83,20 @@ class BlockManager:
         del request.self_block_table[keep:]
 
     def keep_prompt_only(self, request: Request) -> None:
-        """A sample is over (another may start after the prompt): the request keeps its
+        """A sample is over and another starts after the prompt: the request keeps its
         cross-attention and prompt blocks, and its last prompt token counts as not computed,
-        so that a new sample gets its logits back."""
+        so that the new sample gets its logits back."""
         self.trim(request, len(request.prompt_token_ids))
         request.num_computed_tokens = len(request.prompt_token_ids) - 1
+
+    def keep_shared_only(self, request: Request) -> None:
+        """A sample is over and the request waits for its siblings' (parked): it keeps only the
+        blocks they read. Its sample's blocks, or even the block of its last prompt token, which
+        each sibling computes for itself, would leave a pool of one full-length request short of
+        what a sibling decoding to the end of the context needs."""
+        shared = self.shareable_tokens(request)
+        self.trim(request, shared)
+        request.num_computed_tokens = shared
 
     def shareable_tokens(self, request: Request) -> int:
         """Prompt tokens a sibling can read from the request's blocks: whole blocks, already

@@ -90,16 +90,18 @@ class EngineCore:
         prefix = list(prefix or [])
         if prefix:
             self.check_prefix(prefix)
+        detect_language = language is None and self.is_multilingual
         previous = self._prompt_tokens(prompt) if prompt and prompt.strip() else None
         if previous:
             # The context holds the prompt, the prefix and room to decode: a long prefix (a live
             # turn's text so far) takes its room from the prompt's earliest tokens, as
             # openai/whisper keeps a prompt's last (a full prompt and prefix overran the context).
-            fixed = len(self.tokenizer.sot_sequence(language, task, sampling_params.timestamps)) + 3 + len(prefix)
+            fixed = len(self.tokenizer.sot_sequence(language, task, sampling_params.timestamps)) + len(prefix)
+            if detect_language:  # its language and task tokens follow the detection
+                fixed += len(self.tokenizer.task_tokens("en", task, sampling_params.timestamps))
             keep = self.dims.n_text_ctx - fixed - 1 - MIN_DECODE_TOKENS
             previous = previous[-keep:] if keep > 0 else None
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
-        detect_language = language is None and self.is_multilingual
         sot_index = tokens.index(self.tokenizer.special.sot)
         previous_text: list[int] = []
         if detect_language:

@@ -226,7 +226,7 @@ class Scheduler:
             else:  # parked with what its siblings read: its sample's own blocks would starve theirs
                 self.running.remove(sequence)
                 self.parked.append(sequence)
-                self.block_manager.keep_prompt_only(sequence)
+                self.block_manager.keep_shared_only(sequence)
             return []
 
         summary = chosen.summary

@@ -189,7 +189,7 @@ class ASR:
             raise InvalidRequestError(f"prompt must be text, got {type(prompt).__name__}")
         if _is_single(sources):
             sources = [sources]
-        elif isinstance(sources, (list, tuple)) and sources and isinstance(sources[0], (int, float)):
+        elif isinstance(sources, (list, tuple)) and sources and isinstance(sources[0], (int, float, np.number)):
             # (each number would be read as an input of its own, and fail as one)
             raise InvalidRequestError("a list of numbers is a list of inputs: pass samples as a numpy array")
         elif not (language is None or isinstance(language, str)) and not hasattr(sources, "__len__"):
@@ -311,7 +311,7 @@ class ASR:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
         drop_repeated_words(self.tokenizer, job.pieces)
         cap_text_tokens(job.pieces, text_limit, self.tokenizer.special.eot)
-        language = spoken_language(job.pieces, None)
+        language = spoken_language(job.pieces, job.language) if self.engine.is_multilingual else "en"
         spoken = [piece for piece in job.pieces if not piece.is_silence]
         is_timestamp = self.tokenizer.is_timestamp
         all_logprobs = [lp for piece in spoken for lp in piece.logprobs]

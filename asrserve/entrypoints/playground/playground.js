@@ -186,7 +186,11 @@ function liveItem(itemId) {
 function onLiveEvent(session, event) {
   const item = event.item_id ? liveItem(event.item_id) : null;
   switch (event.type) {
+    case "session.created": // (a server without VAD refuses the page's server_vad: manual turns)
+      session.vad = Boolean(event.session.audio.input.turn_detection);
+      break;
     case "session.updated":
+      session.vad = Boolean(event.session.audio.input.turn_detection);
       setStatus("live-status", "listening: speak");
       break;
     case "input_audio_buffer.speech_started":
@@ -200,7 +204,7 @@ function onLiveEvent(session, event) {
       break;
     case "input_audio_buffer.committed":
       session.pending.add(event.item_id);
-      session.turnOpen = session.awaitingCommit = false; // (Stop's commit, or server VAD's just before it)
+      session.turnOpen = session.awaitingCommit = session.appended = false; // (Stop's, or server VAD's before it)
       break;
     case "conversation.item.input_audio_transcription.delta":
       item.querySelector(".text").textContent += event.delta;
@@ -259,6 +263,7 @@ async function startCapture(session) {
   capture.port.onmessage = ({ data }) => {
     if (session.socket.readyState === WebSocket.OPEN && !session.stopping) {
       session.socket.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(data) }));
+      session.appended = true;
     }
   };
   source.connect(capture);
@@ -288,7 +293,7 @@ async function startLive() {
   }
   const session = {
     socket, stream: null, context: null, pending: new Set(), stopping: false, opened: false, closed: false,
-    turnOpen: false, awaitingCommit: false, failed: false,
+    vad: true, turnOpen: false, appended: false, awaitingCommit: false, failed: false,
   };
   live = session;
   $("live").textContent = "Stop";
@@ -359,9 +364,9 @@ function stopLive() {
   if (session.socket.readyState !== WebSocket.OPEN) return;
   setStatus("live-status", "finishing…");
   setTimeout(() => session.socket.close(1000), 15000); // do not wait for ever
-  // Between turns there is nothing to commit: the server would commit the silence it keeps
-  // as a turn's prefix padding, and Whisper reads silence as "you".
-  if (session.turnOpen) {
+  // Between server VAD's turns there is nothing to commit: the server would commit the silence
+  // it keeps as a turn's prefix padding, and Whisper reads silence as "you".
+  if (session.turnOpen || (!session.vad && session.appended)) {  // (without VAD, all of it is the turn)
     session.awaitingCommit = true;
     session.socket.send(JSON.stringify({ type: "input_audio_buffer.commit" }));
   }
