@@ -189,7 +189,7 @@ class _LocalEngine:
             streams.append(self.streams.setdefault(request.request_id, RequestStream(request.request_id)))
         return streams
 
-    def abort(self, request_ids):
+    def abort(self, request_ids, counted=True):
         for request_id in request_ids:
             if request_id in self.streams:
                 self.core.abort(request_id)

@@ -132,6 +132,7 @@ def check_items(events: list[dict]) -> list[str]:
 def test_server_vad_two_utterances_with_a_pause(server, speech_audio, offline):
     first, second = speech_audio[3], speech_audio[1]
     audio = np.concatenate([silence(0.5), first, silence(1.2), second, silence(1.2)])
+    aborted = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
 
     async def run():
         async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
@@ -154,6 +155,8 @@ def test_server_vad_two_utterances_with_a_pause(server, speech_audio, offline):
     assert started[0]["audio_start_ms"] < stopped[0]["audio_end_ms"] < started[1]["audio_start_ms"]
     latency = server.metrics()["asrserve_realtime_end_of_speech_to_completed_seconds_count"]
     assert latency >= 2
+    # interim decodes superseded by later ones (and the final) are routine, not requests given up
+    assert server.metrics().get("asrserve_engine_requests_aborted_total", 0) == aborted
 
 
 def test_text_arrives_while_the_person_speaks(server, speech_audio, offline):

@@ -320,7 +320,7 @@ class _SlowEngine:
         yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[],
                               new_logprobs=[], language="en", summary=None, finished=True)
 
-    def abort(self, request_ids):
+    def abort(self, request_ids, counted=True):
         pass
 
 
@@ -443,7 +443,7 @@ class _RecordingEngine:
         yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[], new_logprobs=[],
                               language="en", summary=None, finished=True)
 
-    def abort(self, request_ids):
+    def abort(self, request_ids, counted=True):
         pass
 
 

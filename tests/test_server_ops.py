@@ -375,6 +375,15 @@ def test_framework_errors_keep_the_openai_shape():
     assert "secret internal detail" not in response.text and error["type"] == "server_error"
     _assert_error(client.post("/v1/audio/transcriptions", files={"file": b"x"}), 503, code="model_loading")
     assert client.get("/health").status_code == 503
+    # HEAD as some monitors probe (it was 405), with no body
+    assert client.head("/health").status_code == 503 and client.head("/health").content == b""
+    assert client.head("/metrics").status_code == client.head("/version").status_code == 200
+
+
+def test_a_model_name_served_twice_is_listed_once():
+    client = TestClient(build_app(ServerConfig(served_model_names=["whisper-1", "tiny.en", "whisper-1"]),
+                                  EngineConfig()))
+    assert client.app.state.asr.served_model_names == ["whisper-1", "tiny.en"]
 
 
 def test_every_serve_option_reads_its_environment_variable(monkeypatch):

@@ -122,14 +122,15 @@ class AsyncEngineClient:
         self._outbox.put(("add", message))
         return streams
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Stops the requests and frees their blocks; their streams end at once."""
+    def abort(self, request_ids: list[str], counted: bool = True) -> None:
+        """Stops the requests and frees their blocks; their streams end at once. counted: for
+        on_abort (a live session's decodes are superseded as a matter of course)."""
         ids = [request_id for request_id in request_ids if request_id in self._streams]
         if not ids:
             return
         for request_id in ids:
             self._streams.pop(request_id).put(RequestOutput(request_id, [], [], True, "abort"))
-        if self.on_abort is not None:
+        if self.on_abort is not None and counted:
             self.on_abort(len(ids))
         if not self.failed.is_set():
             self._outbox.put(("abort", ids))

@@ -79,7 +79,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
 def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
     """What load balancers and Prometheus read; open without a key."""
-    @app.get("/health")
+    # HEAD too: some uptime monitors and load-balancer checks probe with it.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if state.engine.failed.is_set():
             return JSONResponse({"status": "error", "error": state.engine.error}, status_code=503)
@@ -89,11 +90,11 @@ def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         state.metrics.preprocess_queue_depth.set(state.pool.num_queued)
         state.metrics.requests_waiting_http.set(state.num_waiting)
@@ -134,8 +135,9 @@ class GracefulServer(uvicorn.Server):
     def _limit_drain(self, seconds: float) -> None:
         """Shortens uvicorn's wait for HTTP requests. With none in flight the wait ends at once
         anyway, and a zero timeout would make uvicorn log "timeout graceful shutdown exceeded"
-        for nothing (a model that failed to load, say)."""
-        if self.server_state.connections or self.server_state.tasks:
+        for nothing (a model that failed to load; an engine death beside a load balancer's
+        keep-alive connections)."""
+        if self.server_state.tasks:  # (idle keep-alive connections uvicorn closes itself)
             self.config.timeout_graceful_shutdown = seconds
 
 

@@ -33,6 +33,7 @@ STABLE_MARGIN_S = 0.5
 # log-probability (benchmarks/live_stability.py: without it, tiny.en sent early misreadings
 # that both decodes agreed on, and live WER was 6 points above one decode of the utterance).
 MIN_STABLE_LOGPROB = -1.0
+SESSION_ENDED = "the live session ended"  # why its decodes were cancelled, when it is that
 _ids = itertools.count()
 _prefix = uuid.uuid4().hex[:8]
 
@@ -112,8 +113,10 @@ async def decode(
     try:
         async for output in stream:
             collected.add(output)
-    except asyncio.CancelledError:
-        engine.abort([request_id])
+    except asyncio.CancelledError as cancelled:
+        # Counted as stopped early where the session ended with it in flight; not where a
+        # later decode supersedes it, which is routine.
+        engine.abort([request_id], counted=SESSION_ENDED in cancelled.args)
         raise
     return collected.result(tokenizer)
 

@@ -33,7 +33,8 @@ class ServerMetrics:
         )
         self.engine_requests_aborted = Counter(
             "asrserve_engine_requests_aborted",
-            "Engine requests (30 s pieces) stopped before finishing: the client left or hit its token limit",
+            "Engine requests (30 s pieces) of file transcriptions stopped before finishing: the client left "
+            "or hit its token limit",
             registry=registry,
         )
         self.requests_waiting_http = Gauge(

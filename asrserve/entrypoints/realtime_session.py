@@ -313,9 +313,9 @@ class RealtimeSession:
         if self.options.interim_interval_s > 0 and (self._interim is None or self._interim.done()):
             self._interim = asyncio.ensure_future(interim_loop(self))
 
-    def _cancel_interim(self) -> None:
+    def _cancel_interim(self, why: str | None = None) -> None:
         if self._interim is not None:
-            self._interim.cancel()
+            self._interim.cancel(why)
             self._interim = None
 
     # --- life --------------------------------------------------------------------------------
@@ -340,8 +340,8 @@ class RealtimeSession:
 
     def close(self) -> list[asyncio.Task]:
         """The client left, or shutdown cannot wait: its decodes stop; returns the tasks it cancelled."""
-        self._cancel_interim()
+        self._cancel_interim(live_decode.SESSION_ENDED)
         tasks = list(self._tasks)
         for task in tasks:
-            task.cancel()
+            task.cancel(live_decode.SESSION_ENDED)
         return tasks

@@ -31,7 +31,9 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.engine.on_stats = self.metrics.record_engine
         self.engine.on_abort = self.metrics.engine_requests_aborted.inc
-        self.served_model_names = config.served_model_names or [engine_config.model.model or DEFAULT_MODEL]
+        # (a name given twice is listed once)
+        self.served_model_names = list(dict.fromkeys(config.served_model_names or [])) or [
+            engine_config.model.model or DEFAULT_MODEL]
         self.api_key_digests = [api_key_digest(key) for key in config.api_keys]  # once, not per request
         self.tokenizer: WhisperTokenizer | None = None
         self.num_waiting = 0  # accepted transcriptions that have produced no text yet
