@@ -98,6 +98,8 @@ def test_a_client_leaving_mid_upload_frees_its_slot(server, speech_files):
     metrics = _engine_idle(server)
     left = 'asrserve_requests_total{endpoint="transcriptions",status="499"}'
     assert metrics.get(left, 0) == before.get(left, 0) + 1
+    # in the access log too (uvicorn logs a request when its response starts: it never did)
+    assert '"POST /v1/audio/transcriptions HTTP/1.1" 499' in server.logs()
     assert _transcribe(server, speech_files[1]).status_code == 200
 
 

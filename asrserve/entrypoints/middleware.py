@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from asrserve.entrypoints.metrics import ServerMetrics
@@ -35,7 +36,7 @@ class MetricsMiddleware:
         path = scope["path"]
         endpoint = ENDPOINTS.get(path) or ("models" if path.startswith("/v1/models/") else "other")
         start = time.monotonic()
-        status = [500]
+        status = [None]
 
         async def send_with_status(message) -> None:
             if message["type"] == "http.response.start":
@@ -45,7 +46,22 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            code = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_CLOSED_SCOPE_KEY) else status[0]
+            code = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_CLOSED_SCOPE_KEY) else status[0] or 500
             self.metrics.requests.labels(endpoint, str(code)).inc()
+            if code == CLIENT_CLOSED_REQUEST and status[0] in (None, CLIENT_CLOSED_REQUEST):
+                # uvicorn logs a request as its response starts, and not to a client gone already
+                # (a stream the client left mid-body was logged as 200, when it started)
+                _log_access(scope, code)
             if endpoint in ("transcriptions", "translations"):
                 self.metrics.request_latency.labels(endpoint).observe(time.monotonic() - start)
+
+
+def _log_access(scope, code: int) -> None:
+    """One access-log line as uvicorn writes them (its logger, its format; nothing where
+    --no-access-log turned it off)."""
+    client = scope.get("client")
+    address = f"{client[0]}:{client[1]}" if client else "-"
+    query = scope.get("query_string", b"").decode("latin-1")
+    path = scope["path"] + (f"?{query}" if query else "")
+    logging.getLogger("uvicorn.access").info(
+        '%s - "%s %s HTTP/%s" %d', address, scope["method"], path, scope.get("http_version", "1.1"), code)
