@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests accepted but not yet producing text; past this, 429 with Retry-After")
     http.add_argument("--upload-idle-timeout-s", type=float, default=30.0,
                       help="an upload that sends nothing for this long gets 408")
+    http.add_argument("--engine-stall-timeout-s", type=float, default=300.0,
+                      help="an engine holding requests that reports nothing for this long (a hung step: "
+                      "steps report every few seconds at most) turns /health to 503; 0: never")
     http.add_argument("--graceful-shutdown-timeout-s", type=float, default=30.0,
                       help="on SIGTERM, seconds requests in flight and live sessions' turns get to finish "
                       "before they are cancelled")
@@ -232,6 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_audio_in_flight_s=args.max_audio_in_flight_s,
             upload_idle_timeout_s=args.upload_idle_timeout_s,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
+            engine_stall_timeout_s=args.engine_stall_timeout_s,
             access_log=args.access_log, chunking_strategy=parse_chunking_strategy(args.chunking_strategy),
             realtime_max_sessions=args.realtime_max_sessions, realtime_idle_timeout_s=args.realtime_idle_timeout_s,
             realtime_max_buffer_s=args.realtime_max_buffer_s,

@@ -214,6 +214,9 @@ class ServerConfig:
     max_waiting_requests: int = 128
     # After the engine process dies: seconds /health answers 503 before the server exits.
     engine_death_grace_s: float = 2.0
+    # An engine holding requests that has not reported for this long is hung (it reports after
+    # every step): /health answers 503 so that a liveness probe restarts the server. 0: never.
+    engine_stall_timeout_s: float = 300.0
     # On SIGTERM: stop accepting connections, then give requests in flight this long to
     # finish before they are cancelled (keep it under the orchestrator's own grace period).
     graceful_shutdown_timeout_s: float = 30.0
@@ -251,8 +254,8 @@ class ServerConfig:
             raise ValueError(f"{', '.join(not_finite)}: must be a finite number")
         if self.realtime_max_interim_decodes is not None and self.realtime_max_interim_decodes < 1:
             raise ValueError("realtime_max_interim_decodes must be at least 1")
-        if self.engine_death_grace_s < 0:
-            raise ValueError("engine_death_grace_s must be >= 0")
+        if self.engine_death_grace_s < 0 or self.engine_stall_timeout_s < 0:
+            raise ValueError("engine_death_grace_s and engine_stall_timeout_s must be >= 0")
         if self.preprocess_workers is not None and self.preprocess_workers < 1:
             raise ValueError("preprocess_workers must be at least 1")
         if min(self.max_audio_filesize_mb, self.max_audio_duration_s, self.max_audio_in_flight_s) <= 0:
@@ -271,6 +274,7 @@ class ServerConfig:
 
 _SERVER_SECONDS_AND_SIZES = (
     "max_audio_filesize_mb", "max_audio_duration_s", "max_audio_in_flight_s", "engine_death_grace_s",
+    "engine_stall_timeout_s",
     "graceful_shutdown_timeout_s", "upload_idle_timeout_s", "realtime_idle_timeout_s", "realtime_max_buffer_s",
     "realtime_interim_interval_s", "realtime_pause_ms",
 )

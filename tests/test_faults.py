@@ -288,6 +288,34 @@ def test_sigterm_while_the_model_loads_stops_at_once():
         process.stop()
 
 
+def test_health_is_503_while_the_engine_is_hung_and_200_once_it_moves_on(minute_of_speech):
+    """An engine that stops stepping (a deadlock, a GPU that stopped answering: here the process
+    is stopped) used to leave /health at 200 while every request waited for ever, so a liveness
+    probe never restarted the server."""
+    process = ServerProcess([*ON_CPU, "--dtype", "float32", "--engine-stall-timeout-s", "1"])
+    try:
+        process.wait_ready()
+        assert httpx.get(f"{process.url}/health").status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(_transcribe, process, minute_of_speech)
+            while process.metrics()["asrserve_num_requests_running"] == 0:
+                time.sleep(0.05)
+            engine = process.engine_pid()
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while (health := httpx.get(f"{process.url}/health")).status_code == 200:
+                    assert time.monotonic() < deadline, "still 200 with the engine stopped"
+                    time.sleep(0.2)
+                assert health.status_code == 503 and health.json()["status"] == "stalled", health.text
+            finally:
+                os.kill(engine, signal.SIGCONT)
+            assert in_flight.result().status_code == 200
+        assert httpx.get(f"{process.url}/health").status_code == 200
+    finally:
+        process.stop()
+
+
 def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(speech_files):
     # The engine process takes seconds to import torch and load: /health says 503 meanwhile.
     process = ServerProcess(["--max-num-seqs", "4"])

@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from asrserve.config import EngineConfig
@@ -61,6 +62,7 @@ class AsyncEngineClient:
         self.on_stats: Callable[[EngineStats], None] | None = None
         self.on_abort: Callable[[int], None] | None = None  # called with how many were aborted
         self._streams: dict[str, RequestStream] = {}
+        self._last_progress = time.monotonic()  # the engine's last message, or work arriving when it had none
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._process: multiprocessing.Process | None = None
         self._stopping = False
@@ -73,6 +75,13 @@ class AsyncEngineClient:
     @property
     def is_ready(self) -> bool:
         return self.ready.is_set() and not self.failed.is_set()
+
+    @property
+    def seconds_without_progress(self) -> float:
+        """How long the engine has held requests without a word: it reports after every step
+        while it has work, so a long silence is a hung step (a deadlock, a GPU that stopped
+        answering, a process stopped), not load."""
+        return time.monotonic() - self._last_progress if self._streams else 0.0
 
     @property
     def pid(self) -> int | None:
@@ -107,6 +116,8 @@ class AsyncEngineClient:
         if not self.is_ready:
             raise EngineDeadError(self.error or "the engine is not ready")
         streams = []
+        if not self._streams:
+            self._last_progress = time.monotonic()
         for request in requests:
             assert request.request_id not in self._streams, request.request_id
             stream = self._streams[request.request_id] = RequestStream(request.request_id)
@@ -205,6 +216,7 @@ class AsyncEngineClient:
         kind = message[0]
         if kind == "outputs":
             _, outputs, stats = message
+            self._last_progress = time.monotonic()
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:

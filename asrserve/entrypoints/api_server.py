@@ -86,6 +86,10 @@ def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "error", "error": state.engine.error}, status_code=503)
         if state.shutting_down:  # draining: the load balancer should send new work elsewhere
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        stalled_s = state.engine.seconds_without_progress
+        if 0 < state.config.engine_stall_timeout_s < stalled_s:  # hung: a liveness probe should restart us
+            return JSONResponse({"status": "stalled", "error": f"the engine has not advanced for {stalled_s:.0f} s"},
+                                status_code=503)
         if state.is_ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
