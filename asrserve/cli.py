@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "on its own line, in the order of the files; json prints one object per line.",
     )
     transcribe.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, ogg/opus, mp3, ...)")
-    transcribe.add_argument("--language", "-l", default=None, help="ISO-639-1 code; detected when omitted or empty (as the server's empty form field)")
+    transcribe.add_argument("--language", "-l", default=None,
+                            help="ISO-639-1 code or English name (de, German); detected when omitted or empty "
+                            "(as the server's empty form field)")
     transcribe.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     transcribe.add_argument(
         "--response-format", "-f", choices=["text", "json", "verbose_json", "srt", "vtt"], default="text",
@@ -151,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
     _add_engine_args(serve, model_flag=False)
-    _defaults_from_environment(serve)
+    # (Judged only when serve runs: a Kubernetes Service named asrserve sets ASRSERVE_PORT to
+    # tcp://..., which must not stop `asrserve transcribe` beside it.)
+    serve.set_defaults(environment_errors=_defaults_from_environment(serve))
 
     from asrserve.benchmark.options import add_bench_args
 
@@ -189,10 +193,11 @@ ENV_PREFIX = "ASRSERVE_"
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
+def _defaults_from_environment(parser: argparse.ArgumentParser) -> list[str]:
     """Each option of `parser` also reads ASRSERVE_<OPTION> (lists: comma-separated); a flag on
     the command line still wins. --help shows the variable's name, and the default where the
-    help does not say it."""
+    help does not say it. Returns what is wrong with the variables set."""
+    errors = []
     for action in parser._actions:
         if action.dest in ("help", argparse.SUPPRESS):
             continue
@@ -206,7 +211,7 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
             continue
         if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
             if value.lower() not in TRUE_WORDS + FALSE_WORDS:
-                parser.error(f"{name}={value!r}: use true or false")
+                errors.append(f"{name}={value!r}: use true or false")
             action.default = value.lower() in TRUE_WORDS
         elif action.nargs in ("+", "*"):
             items = [item.strip() for item in value.split(",") if item.strip()]
@@ -215,11 +220,13 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
             try:
                 action.default = action.type(value) if action.type else value
             except ValueError:
-                parser.error(f"{name}={value!r} is not a valid {action.dest}")
+                errors.append(f"{name}={value!r} is not a valid {action.dest}")
+                continue
             if action.choices is not None and action.default not in action.choices:
-                parser.error(f"{name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
+                errors.append(f"{name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
         if not action.option_strings:
             action.nargs = "?"  # the positional may now come from the environment
+    return errors
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -263,6 +270,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.environment_errors:
+        print(f"asrserve serve: error: {args.environment_errors[0]}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         level = logging.getLevelName(args.log_level.upper())
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,11 @@ def _run(args: argparse.Namespace) -> int:
     from asrserve.entrypoints.protocol import TIMESTAMPED_FORMATS
     from asrserve.errors import InvalidRequestError, ModelLoadError
 
+    if args.response_format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
+        # One after another they would make neither a valid subtitle file nor say whose is whose.
+        print(f"asrserve: error: {args.response_format} subtitles of several files need --output-dir DIR",
+              file=sys.stderr)
+        return 2
     try:
         outputs = _output_paths(args.files, args.output_dir, args.response_format)
         chunking = parse_chunking_strategy(args.chunking_strategy)
@@ -57,9 +63,22 @@ def _run(args: argparse.Namespace) -> int:
         for index, transcription in results:
             ready[index] = transcription
             while next_to_print in ready:  # print in the order of the files
-                result = ready.pop(next_to_print)
-                failures += _print_result(args.files[next_to_print], result, args, outputs.get(next_to_print))
+                result, file, path = ready.pop(next_to_print), args.files[next_to_print], outputs.get(next_to_print)
+                try:
+                    failures += _print_result(file, result, args, path)
+                except (OSError, UnicodeError) as error:  # a full disk, no permission: this file fails
+                    if path is None:
+                        raise
+                    print(f"asrserve: {file}: cannot write {path}: {getattr(error, 'strerror', None) or error}",
+                          file=sys.stderr)
+                    failures += 1
                 next_to_print += 1
+    except BrokenPipeError:  # stdout's reader left (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
+        return 1
+    except OSError as error:  # stdout cannot be written (a full disk)
+        print(f"asrserve: error: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        return 1
     except (InvalidRequestError, ValueError) as error:
         print(f"asrserve: error: {error}", file=sys.stderr)
         return 2

@@ -193,6 +193,10 @@ def test_bench_usage_errors():
     assert run.returncode == 2 and "needs --realtime" in run.stderr
     run = bench(".", "--realtime", "0")
     assert run.returncode == 2 and "--realtime takes" in run.stderr
+    # refused up front, where they failed every stream ("negative count") or request, or spun
+    for flag, value in (("--realtime-gap-s", "-1"), ("--timeout", "0"), ("--health-interval", "0"), ("--warmup", "-1")):
+        run = bench(".", flag, value, "--url", "http://127.0.0.1:9")
+        assert run.returncode == 2 and f"{flag} must be" in run.stderr, (flag, run.stderr)
 
 
 def test_manifest_names_files_in_subfolders(speech_files, tmp_path):

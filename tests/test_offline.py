@@ -108,6 +108,24 @@ def test_long_audio_where_silero_vad_cannot_load_fails_alone(asr, speech_files, 
     assert not asr.engine.has_work()
 
 
+def test_an_interrupted_step_lets_the_interrupt_through_and_the_engine_recover(asr, speech_files, monkeypatch):
+    """Ctrl-C inside a step (here: as the encoder runs) came out as KeyError from the cleanup,
+    which stepped the engine over encoder outputs that were never stored (asrserve transcribe
+    then exited 1 with a traceback instead of 130)."""
+    original = asr.engine.runner._run_encoder
+
+    def interrupted(requests):
+        monkeypatch.setattr(asr.engine.runner, "_run_encoder", original)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asr.engine.runner, "_run_encoder", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        asr.transcribe(speech_files[:3])
+    assert not asr.engine.has_work()
+    assert "fox" in asr.transcribe(speech_files[1])[0].text.lower()
+    assert asr.engine.block_manager.num_free_blocks == asr.engine.block_manager.num_blocks
+
+
 def test_stopping_early_frees_the_engine(asr, speech_files):
     results = asr.transcribe_iter(speech_files)
     next(results)
@@ -214,7 +232,16 @@ def test_cli_output_dir_keeps_every_file(speech_files, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["bad.json", "clip.mp3.json", "clip.wav.json"]
     assert "fox" in json.loads((out / "clip.mp3.json").read_text())["text"].lower()
     assert "error" in json.loads((out / "bad.json").read_text())
-    for args in (["-o", str(wav)], ["--device", "tpu"], ["--kv-cache-memory-gb", "-1"]):
+    # A result that cannot be written (no permission, a full disk; here a folder in its place)
+    # fails that file alone: it stopped the run with a traceback.
+    (out / "clip.wav.json").unlink()
+    (out / "clip.wav.json").mkdir()
+    (out / "clip.mp3.json").unlink()
+    result = _cli("-f", "json", "-o", str(out), str(wav), str(mp3))
+    assert result.returncode == 1 and "cannot write" in result.stderr and "Traceback" not in result.stderr
+    assert "fox" in json.loads((out / "clip.mp3.json").read_text())["text"].lower()
+    for args in (["-o", str(wav)], ["--device", "tpu"], ["--kv-cache-memory-gb", "-1"],
+                 ["-f", "srt", str(mp3)]):  # (subtitles of two files on stdout: neither valid nor told apart)
         result = _cli(*args, str(wav))
         assert result.returncode == 2 and result.stderr.startswith("asrserve: error:"), (args, result.stderr)
         assert "Traceback" not in result.stderr

@@ -408,6 +408,19 @@ def test_every_serve_option_reads_its_environment_variable(monkeypatch):
             assert f"ASRSERVE_{action.dest.upper()}" in action.help
 
 
+def test_a_bad_serve_variable_stops_serve_only(monkeypatch, capsys):
+    """A Kubernetes Service named asrserve sets ASRSERVE_PORT=tcp://...: it stopped every
+    command (`asrserve transcribe`, even --version) with "not a valid port"."""
+    from asrserve.cli import main
+
+    monkeypatch.setenv("ASRSERVE_PORT", "tcp://10.0.0.5:8000")
+    assert build_parser().parse_args(["transcribe", "a.wav"]).files == ["a.wav"]
+    with pytest.raises(SystemExit) as version:
+        main(["--version"])
+    assert version.value.code == 0
+    assert main(["serve"]) == 2 and "ASRSERVE_PORT='tcp://10.0.0.5:8000' is not a valid port" in capsys.readouterr().err
+
+
 def test_incremental_text_never_splits_a_character(tiny_en_engine):
     tokenizer = tiny_en_engine.tokenizer
     text = " Zoë said 日本語 is ünïcödé, naïve café — ok."

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -21,6 +22,7 @@ from asrserve.benchmark.workload import load_workload
 
 def run_bench(args: argparse.Namespace) -> int:
     try:
+        _check_amounts(args)
         concurrencies = _concurrencies(args)
         fields = _form_fields(args.field)
         files = load_workload(args.audio_dir, args.manifest)
@@ -126,6 +128,17 @@ def _run_realtime(args: argparse.Namespace, files, model: str, uploads: LoadSpec
     if args.save_result:
         log(f"wrote {args.save_result}")
     return 0 if all(run["utterances"] for run in result["runs"]) else 1
+
+
+def _check_amounts(args: argparse.Namespace) -> None:
+    """Seconds and counts that would fail every request or spin (a negative gap, a zero timeout)."""
+    for name, value, least, strict in (
+        ("--realtime-gap-s", args.realtime_gap_s, 0.0, False), ("--timeout", args.timeout, 0.0, True),
+        ("--health-interval", args.health_interval, 0.0, True),
+        ("--warmup", 0 if args.warmup is None else args.warmup, 0, False),
+    ):
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            raise ValueError(f"{name} must be {'more than' if strict else 'at least'} {least:g}, got {value:g}")
 
 
 def _concurrencies(args: argparse.Namespace) -> list[int]:

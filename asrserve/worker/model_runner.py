@@ -202,7 +202,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         for request_id in scheduler_output.freed_encoder_ids:
-            self.encoder_outputs.pop(request_id)
+            # (absent where a step was interrupted before its encoder ran: Ctrl-C offline)
+            self.encoder_outputs.pop(request_id, None)
         if scheduler_output.encoder_requests:
             self._run_encoder(scheduler_output.encoder_requests)
             self._write_cross_kv(scheduler_output.encoder_requests)
