@@ -86,3 +86,19 @@ def test_seeds_past_64_bits_are_refused():
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(temperature=0.5, seed=seed)
     SamplingParams(temperature=0.5, seed=2**63 - 1)  # its samples' seeds still fit torch's
+
+
+def test_every_bit_of_a_seed_tells_samples_apart():
+    """torch's CPU generator reads a seed's low 32 bits only: seeds 2**32 apart drew the same
+    samples, and seed + 1000 * level made a fallback level another request's first one."""
+    from asrserve.engine.decode_group import DecodeGroup
+
+    params = SamplingParams(temperature=0.5, best_of=2)
+
+    def draws(base_seed: int, key=(0, 0)) -> list[float]:
+        generator = torch.Generator().manual_seed(DecodeGroup(params, base_seed).seed(key))
+        return torch.rand(4, generator=generator).tolist()
+
+    assert draws(0) != draws(2**32) != draws(-(2**63))
+    assert draws(5, (1, 0)) != draws(1005, (0, 0)) and draws(5, (0, 1)) != draws(6, (0, 0))
+    assert draws(2**63 - 1) == draws(2**63 - 1)  # and a seed still gives the same samples

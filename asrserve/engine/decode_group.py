@@ -21,6 +21,9 @@ RTFx at concurrency 8, medians of nine runs each; docs/benchmarks.md). The outco
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from asrserve.engine.fallback import needs_fallback, pick_attempt
 from asrserve.engine.request import Attempt, SamplingParams
 
@@ -59,9 +62,13 @@ class DecodeGroup:
 
     def seed(self, key: SampleKey) -> int:
         """Each sample draws from its own generator, so what it samples depends neither on its
-        neighbours in the batch nor on which sequence happens to decode it."""
+        neighbours in the batch nor on which sequence happens to decode it. The request's seed
+        and the sample's key are hashed, not added: torch's CPU generator reads a seed's low 32
+        bits only (seeds 2**32 apart drew the same samples), and seed + 1000 * level was another
+        request's seed."""
         level, sample = key
-        return self.base_seed + 1000 * level + sample
+        digest = hashlib.blake2b(struct.pack("<qii", self.base_seed, level, sample), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1  # 63 bits, every one of them mixed
 
     def next_unassigned(self) -> SampleKey | None:
         """The first sample of an open level (within levels_ahead of the lowest undecided one)
