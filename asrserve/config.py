@@ -92,6 +92,8 @@ class ModelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:  # (before the engine process starts)
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(sorted(set(DTYPES)))}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load format {self.load_format!r}; choose auto or dummy")
         if self.compile not in ("auto", "on", "off"):

@@ -311,12 +311,25 @@ def test_a_model_that_cannot_load_exits_with_a_one_line_error(tmp_path):
     assert "graceful shutdown exceeded" not in result.stderr, result.stderr
 
 
+def test_engine_settings_this_model_cannot_take_are_one_line():
+    """A KV pool too small for one request is refused by the engine, which knows the model: a
+    one-line error and exit 2 (it was a traceback)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "asrserve", "serve", "--num-kv-blocks", "1", "--port", str(free_port()),
+         "--host", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "a KV pool of 1 blocks cannot hold" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("flag, value, named", [
     ("--max-audio-filesize-mb", "inf", "max_audio_filesize_mb"),  # was a 500 on every upload
     ("--graceful-shutdown-timeout-s", "nan", "graceful_shutdown_timeout_s"),  # was no drain at all
     ("--upload-idle-timeout-s", "nan", "upload_idle_timeout_s"),
     ("--realtime-max-interim-decodes", "-1", "realtime_max_interim_decodes"),  # was a traceback
     ("--realtime-max-interim-decodes", "0", "realtime_max_interim_decodes"),  # was the default, silently
+    ("--dtype", "float8", "dtype"),  # was a traceback from the engine process
 ])
 def test_flag_values_that_would_break_the_server_are_refused_at_start(flag, value, named):
     result = subprocess.run(

@@ -96,6 +96,10 @@ def run_engine(config: EngineConfig, inbox: Connection, outbox: Connection, log_
     except ModelLoadError as error:
         outbox.send(("failed", str(error)))
         _exit(0)
+    except ValueError as error:  # settings this model or machine cannot take (a KV pool too small for it)
+        logger.debug("engine settings refused:\n%s", traceback.format_exc())
+        outbox.send(("failed", str(error)))
+        _exit(0)
     except Exception as error:  # a bug or a broken environment: say what, keep the trace in the log
         logger.error("engine failed to start:\n%s", traceback.format_exc())
         outbox.send(("failed", f"engine failed to start: {type(error).__name__}: {error}"))
