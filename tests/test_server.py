@@ -181,6 +181,14 @@ def test_sdk_stream_iterates_openai_events(client, speech_files, expected_stream
     assert len(done) == 1 and events[-1] is done[0]
     assert "".join(event.delta for event in deltas) == done[0].text == expected_streamed[6]
     assert done[0].usage.output_tokens >= len(deltas)
+    assert done[0].usage.input_tokens == 1500  # one 30 s window of audio tokens
+    # Digital silence never reaches the model, and is not charged as if it had (it was 1500).
+    silence = io.BytesIO()
+    soundfile.write(silence, np.zeros(3 * SAMPLE_RATE, np.float32), SAMPLE_RATE, format="WAV")
+    silence.name = "silence.wav"
+    [quiet] = [e for e in client.audio.transcriptions.create(model="tiny.en", file=silence, stream=True)
+               if e.type == "transcript.text.done"]
+    assert quiet.text == "" and quiet.usage.input_tokens == 0
 
 
 def test_temperature_fallback_extension_decodes_once(client, server, speech_files, expected_streamed):

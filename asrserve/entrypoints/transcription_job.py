@@ -231,6 +231,8 @@ class TranscriptionJob:
                 if delta:
                     yield self._add_text(delta, piece_started, written_in(piece.language or self.language, self.task))
                     piece_started = True
+            if piece.summary is not None and piece.summary.num_attempts == 0:
+                self.num_decodes_shown -= 1  # digital silence: the engine answered it without the model
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
             following = None if at_limit else self._continue(piece, samples, depth)
             shown = _text_tokens(piece.token_ids, eot, budget)
