@@ -113,6 +113,9 @@ def _output_paths(files: list[str], output_dir: str | None, response_format: str
 def _print_result(file: str, result, args: argparse.Namespace, path: Path | None) -> int:
     from asrserve.entrypoints.formats import reported_language, to_srt, to_verbose_json, to_vtt
 
+    # A name in another encoding than UTF-8 (its bytes kept as surrogates) is shown with
+    # replacement characters: the records are UTF-8.
+    file = file.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     response_format = args.response_format
     if result.error is not None:
         print(f"asrserve: {file}: {result.error}", file=sys.stderr)

@@ -414,3 +414,13 @@ def test_a_codec_ffmpeg_does_not_know_is_named_as_such(tmp_path):
     struct.pack_into("<H", data, 20, 0x1234)
     with pytest.raises(AudioError, match="unknown or damaged codec"):
         load_audio(bytes(data))
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path):
+    """A Latin-1 name (café in one byte): libsndfile and ffmpeg take names as UTF-8, and the
+    error blamed the audio ("could not decode audio: 'utf-8' codec can't encode")."""
+    import os
+
+    name = os.fsencode(tmp_path) + b"/caf\xe9.flac"
+    soundfile.write(name, tone(1.0, SR), SR, format="FLAC")
+    assert len(load_audio(os.fsdecode(name))) == SR

@@ -205,6 +205,9 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
             raise AudioError(f"{source} is not a file or a pipe")
         if path.stat().st_size == 0:
             raise AudioError(f"audio is empty: {source} has no bytes")
+        if not _is_utf8(str(path)):  # a name in another encoding: libsndfile and ffmpeg take UTF-8 names
+            with open(path, "rb") as file:
+                return _decode(file, max_duration_s, on_progress)
     elif hasattr(source, "mode") and "b" not in source.mode:
         raise AudioError("the file object was opened in text mode: open audio with mode 'rb'")
     if not isinstance(source, (str, Path)) and not _seekable(source):
@@ -219,6 +222,14 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         if start is not None:
             source.seek(start)
         return decode_ffmpeg(source, max_duration_s, on_progress)
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes Python kept as surrogates (os.fsdecode)
+        return False
+    return True
 
 
 def _seekable(source) -> bool:
