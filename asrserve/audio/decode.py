@@ -198,20 +198,19 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
             raise AudioError(f"{source} is a folder, not an audio file")
         if not path.exists():
             raise AudioError(f"audio file not found: {source}")
-        if path.is_fifo():  # a pipe (the shell's <(...)): read as a stream
-            with open(path, "rb") as stream:
-                return _decode(stream.read(), max_duration_s, on_progress)
-        if not path.is_file():  # a device (/dev/zero would never end)
+        if not path.is_file() and not path.is_fifo():  # a device (/dev/zero would never end)
             raise AudioError(f"{source} is not a file or a pipe")
-        if path.stat().st_size == 0:
+        if path.is_file() and path.stat().st_size == 0:
             raise AudioError(f"audio is empty: {source} has no bytes")
-        if not _is_utf8(str(path)):  # a name in another encoding: libsndfile and ffmpeg take UTF-8 names
+        # A pipe (the shell's <(...)) is read as a stream below; libsndfile and ffmpeg take
+        # names as UTF-8, so a name in another encoding is opened here.
+        if path.is_fifo() or not _is_utf8(str(path)):
             with open(path, "rb") as file:
                 return _decode(file, max_duration_s, on_progress)
     elif hasattr(source, "mode") and "b" not in source.mode:
         raise AudioError("the file object was opened in text mode: open audio with mode 'rb'")
-    if not isinstance(source, (str, Path)) and not _seekable(source):
-        source = io.BytesIO(source.read())  # a pipe, stdin, a response body: both decoders seek
+    elif not _seekable(source):  # a pipe, stdin, a response body: both decoders seek
+        return _decode(source.read(), max_duration_s, on_progress)
     start = source.tell() if hasattr(source, "tell") else None
     try:
         return _decode_soundfile(source, max_duration_s, on_progress)

@@ -229,7 +229,7 @@ class TranscriptionJob:
                     num_shown = len(shown)
                 delta = text.update(shown)
                 if delta:
-                    yield self._add_text(delta, piece_started, written_in(piece.language or self.language, self.task))
+                    yield self._add_text(delta, piece_started, piece)
                     piece_started = True
             if piece.summary is not None and piece.summary.num_attempts == 0:
                 self.num_decodes_shown -= 1  # digital silence: the engine answered it without the model
@@ -241,7 +241,7 @@ class TranscriptionJob:
             self.num_output_tokens += len(shown)
             delta = text.update(shown) + text.finish()
             if delta:
-                yield self._add_text(delta, piece_started, written_in(piece.language or self.language, self.task))
+                yield self._add_text(delta, piece_started, piece)
             if at_limit:
                 self.abort()
                 return
@@ -250,9 +250,10 @@ class TranscriptionJob:
             stream, piece, samples = following
             depth += 1
 
-    def _add_text(self, delta: str, piece_started: bool, language: str | None) -> str:
-        """The delta as the transcript takes it: before a later piece's first text, what joins
-        it to the piece before (pieces.joiner, by their languages)."""
+    def _add_text(self, delta: str, piece_started: bool, piece: PieceResult) -> str:
+        """The delta of `piece` as the transcript takes it: before a later piece's first text,
+        what joins it to the piece before (pieces.joiner, by the languages they are written in)."""
+        language = written_in(piece.language or self.language, self.task)
         if not piece_started and self.text:
             delta = joiner(self._text_language, language) + delta
         self.text += delta
