@@ -3,6 +3,7 @@ by one, then through the engine on the bundled tiny.en."""
 
 from __future__ import annotations
 
+import html
 import io
 import random
 import re
@@ -295,6 +296,7 @@ def test_timestamp_formats():
 
 def _segments_for_formats(tokenizer):
     tokens = [_ts(tokenizer, 0.5), *tokenizer.encode(" One\n\ntwo --> three"), _ts(tokenizer, 2.0),
+              _ts(tokenizer, 10.0), *tokenizer.encode(" AT&T <3 x > y &amp;"), _ts(tokenizer, 11.0),
               _ts(tokenizer, 29.0), *tokenizer.encode(" Four."), _ts(tokenizer, 29.84)]
     return build_segments(tokenizer, [PieceResult(30.0, 30.0, tokens, summary=_summary(-0.2, 1.0))], "en")
 
@@ -305,7 +307,7 @@ def test_srt_and_vtt_parse_strictly(tokenizer):
     assert "".join(m.group(0) + "\n" for m in SRT_CUE.finditer(subtitles)) == subtitles
     parsed = list(srt.parse(subtitles))
     assert [(c.index, c.start.total_seconds(), c.end.total_seconds(), c.content) for c in parsed] == [
-        (1, 30.5, 32.0, "One two -> three"), (2, 59.0, 59.84, "Four.")
+        (1, 30.5, 32.0, "One two -> three"), (2, 40.0, 41.0, "AT&T <3 x > y &amp;"), (3, 59.0, 59.84, "Four.")
     ]
 
     captions = to_vtt(segments)
@@ -313,8 +315,12 @@ def test_srt_and_vtt_parse_strictly(tokenizer):
     body = captions.removeprefix("WEBVTT\n\n")
     assert "".join(m.group(0) + "\n" for m in VTT_CUE.finditer(body)) == body
     cues = webvtt.from_buffer(io.StringIO(captions)).captions
-    assert [(c.start, c.end, c.text) for c in cues] == [
-        ("00:00:30.500", "00:00:32.000", "One two -> three"), ("00:00:59.000", "00:00:59.840", "Four.")
+    # WebVTT text is markup: '<' opens a tag (a player drops "<3 x >"), '&' a reference; the
+    # transcript reads back exactly once its references are resolved, '-->' included.
+    assert [(c.start, c.end, html.unescape(c.text)) for c in cues] == [
+        ("00:00:30.500", "00:00:32.000", "One two --> three"),
+        ("00:00:40.000", "00:00:41.000", "AT&T <3 x > y &amp;"),
+        ("00:00:59.000", "00:00:59.840", "Four."),
     ]
 
 

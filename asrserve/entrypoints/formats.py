@@ -23,9 +23,21 @@ def format_timestamp(seconds: float, decimal_marker: str) -> str:
     return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal_marker}{milliseconds:03d}"
 
 
+def _one_line(segment: Segment) -> str:
+    """A cue's text on one line: a blank line would end the cue."""
+    return " ".join(segment.text.split())
+
+
 def _cue_text(segment: Segment) -> str:
-    """One line of cue text: no blank lines (they end a cue) and no '-->' (it starts one)."""
-    return " ".join(segment.text.split()).replace("-->", "->")
+    """SRT cue text: SRT has no escapes, so a '-->' (it starts a cue) loses a dash."""
+    return _one_line(segment).replace("-->", "->")
+
+
+def _vtt_cue_text(segment: Segment) -> str:
+    """WebVTT cue text, where '<' opens a tag and '&' a character reference: a transcript's
+    "x < y" or "AT&T" would lose text in a player. Escaped, the text reads back exactly, and
+    '-->' can no longer appear in it."""
+    return _one_line(segment).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def to_srt(segments: list[Segment]) -> str:
@@ -38,9 +50,9 @@ def to_srt(segments: list[Segment]) -> str:
 
 def to_vtt(segments: list[Segment]) -> str:
     cues = "".join(
-        f"{format_timestamp(s.start, '.')} --> {format_timestamp(s.end, '.')}\n{_cue_text(s)}\n\n"
+        f"{format_timestamp(s.start, '.')} --> {format_timestamp(s.end, '.')}\n{_vtt_cue_text(s)}\n\n"
         for s in segments
-        if _cue_text(s)
+        if _one_line(s)
     )
     return "WEBVTT\n\n" + cues
 
