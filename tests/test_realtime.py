@@ -132,7 +132,8 @@ def check_items(events: list[dict]) -> list[str]:
 def test_server_vad_two_utterances_with_a_pause(server, speech_audio, offline):
     first, second = speech_audio[3], speech_audio[1]
     audio = np.concatenate([silence(0.5), first, silence(1.2), second, silence(1.2)])
-    aborted = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
+    before = server.metrics()
+    aborted = before.get("asrserve_engine_requests_aborted_total", 0)
 
     async def run():
         async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
@@ -153,8 +154,14 @@ def test_server_vad_two_utterances_with_a_pause(server, speech_audio, offline):
     stopped = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
     assert 200 <= started[0]["audio_start_ms"] < 800  # after 0.5 s of silence, less 300 ms of padding
     assert started[0]["audio_start_ms"] < stopped[0]["audio_end_ms"] < started[1]["audio_start_ms"]
-    latency = server.metrics()["asrserve_realtime_end_of_speech_to_completed_seconds_count"]
-    assert latency >= 2
+    after = server.metrics()
+    assert after["asrserve_realtime_end_of_speech_to_completed_seconds_count"] >= 2
+    # live turns count in the traffic counters, as file transcriptions do: their billed seconds
+    audio = 'asrserve_audio_seconds_total{endpoint="realtime"}'
+    tokens = 'asrserve_output_tokens_total{endpoint="realtime"}'
+    billed = sum(e["usage"]["seconds"] for e in events if e["type"].endswith("transcription.completed"))
+    assert after[audio] - before.get(audio, 0) == pytest.approx(billed, abs=0.01)
+    assert after[tokens] - before.get(tokens, 0) >= 10
     # interim decodes superseded by later ones (and the final) are routine, not requests given up
     assert server.metrics().get("asrserve_engine_requests_aborted_total", 0) == aborted
 

@@ -105,6 +105,13 @@ class ServerMetrics:
             for _ in range(count):
                 self.encoder_batch_size.observe(size)
 
+    def record_live_item(self, latency_s: float, audio_s: float, num_tokens: int) -> None:
+        """A live turn's transcript completed: its latency, and its audio and text in the traffic
+        counters beside the file endpoints' (endpoint="realtime")."""
+        self.realtime_completed_latency.observe(latency_s)
+        self.audio_seconds.labels("realtime").inc(audio_s)
+        self.output_tokens.labels("realtime").inc(num_tokens)
+
     def record_engine_gone(self) -> None:
         """The engine process died: what it held went with it (its last step's figures would
         show a dead replica busy until the server exits)."""

@@ -290,9 +290,11 @@ class RealtimeSession:
         await self._send_completed(item, end, committed_at)
 
     async def _send_completed(self, item: Item, end: int, committed_at: float) -> None:
-        self.metrics.realtime_completed_latency.observe(time.monotonic() - committed_at)
+        seconds = (end - item.start) / SAMPLE_RATE
+        num_tokens = sum(len(segment.stable) for segment in item.segments)
+        self.metrics.record_live_item(time.monotonic() - committed_at, seconds, num_tokens)
         completed = {"item_id": item.item_id, "content_index": 0, "transcript": item.sent,
-                     "usage": usage_duration((end - item.start) / SAMPLE_RATE)}
+                     "usage": usage_duration(seconds)}
         if self.config.include_logprobs:
             completed["logprobs"] = item.logprobs
         await self.send(server_event("conversation.item.input_audio_transcription.completed", **completed))
