@@ -29,6 +29,7 @@ from asrserve.entrypoints.formats import format_timestamp, to_srt, to_verbose_js
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.words import split_words
+from asrserve.model.tokenizer import MAX_PROMPT_TOKENS
 from asrserve.worker.sampler import TimestampRules
 from tests.conftest import SENTENCES, SHARED_AUDIO, run_to_completion
 
@@ -234,6 +235,32 @@ def test_prompt_text_that_spells_special_tokens_stays_text(tokenizer):
     assert tokenizer.decode(ids) == " " + text
     plain = " And so, my fellow Americans: ask not... 日本語 émoji 😀\n\ttabs"
     assert tokenizer.encode(plain) == tokenizer.tokenizer.encode(plain, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("script", ["words", "no_spaces", "mixed", "symbol_runs"])
+def test_a_long_prompt_is_tokenized_from_its_end_with_the_tokens_the_whole_gives(tokenizer, script, monkeypatch):
+    """Only a prompt's last MAX_PROMPT_TOKENS are read: a 1 MB prompt (a live session may send
+    one, and the engine tokenized it for each decode) is tokenized from its end, and what is
+    returned equals the end of the whole text's tokens."""
+    rng = random.Random(script)
+    pieces = {
+        "words": lambda: rng.choice(["the", "quick", "Brown", "fox's", "jumped,", "1984", "naïve", "«oui»"]) + " ",
+        "no_spaces": lambda: chr(rng.choice([0x4E00, 0x3040, 0xAC00]) + rng.randrange(80)),
+        "mixed": lambda: rng.choice(["日本語", "émoji 😀", "\n\t", " -- ", "x" * rng.randrange(1, 40), "ça"]),
+        "symbol_runs": lambda: rng.choice(["=" * rng.randrange(1, 200), "-" * 64, " ", "ab"]),
+    }[script]
+    parts, size = [], 0
+    while size < 1_000_000:
+        parts.append(pieces())
+        size += len(parts[-1])
+    text = "".join(parts)
+    whole = tokenizer.encode(" " + text.strip())
+    encoded: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda t: encoded.append(len(t)) or encode(t))
+    tokens = tokenizer.prompt_tokens(text)
+    assert sum(encoded) < 300_000, encoded  # not the whole MB
+    assert len(tokens) >= MAX_PROMPT_TOKENS and tokens == whole[-len(tokens):]
 
 
 def test_words_keep_punctuation_with_their_word(tokenizer):
