@@ -149,6 +149,8 @@ def test_session_update_merges_and_names_what_is_wrong():
         "include": ["item.input_audio_transcription.logprobs"],
     })
     assert (updated.rate, updated.language, updated.prompt, updated.model) == (16000, "en", "Stella", "tiny.en")
+    longest = "é" * (64 * 1024 // 2)
+    assert config.updated({"audio": {"input": {"transcription": {"prompt": longest}}}}).prompt == longest
     assert updated.turn_detection == ServerVAD(silence_duration_ms=300) and updated.include_logprobs
     session = updated.as_session("sess_1")
     assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 300
@@ -166,6 +168,9 @@ def test_session_update_merges_and_names_what_is_wrong():
         ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
         ({"audio": {"input": {"speed": 2}}}, "session.audio.input.speed"),
         ({"include": ["item.input_audio_transcription.words"]}, "session.include"),
+        # HTTP's form field limit (every decode of the session carried the prompt to the engine)
+        ({"audio": {"input": {"transcription": {"prompt": "word " * 13108}}}},
+         "session.audio.input.transcription.prompt"),
         ("transcription", "session"),
         # Values of the wrong type are refused, not read as an empty object, 1.0, 0 or 24000
         # (they were answered with session.updated).

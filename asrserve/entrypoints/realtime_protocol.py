@@ -19,6 +19,7 @@ import numpy as np
 
 from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
+from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
 
 # OpenAI's server_vad defaults (realtime_transcription_session_audio_input_turn_detection.py).
 VAD_PREFIX_PADDING_MS = 300
@@ -178,6 +179,10 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
     for name in ("model", "language", "prompt"):
         if value.get(name) is not None and not isinstance(value[name], str):
             raise RealtimeError(f"{param}.{name} must be a string", param=f"{param}.{name}")
+    if len((value.get("prompt") or "").encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
+        # as over HTTP (a form field's limit): the engine reads the last 223 tokens of a prompt,
+        # and every decode of the session carries the whole of it to the engine
+        raise RealtimeError(f"{param}.prompt is longer than {MAX_PROMPT_BYTES} bytes", param=f"{param}.prompt")
     return replace(
         config,
         model=value.get("model", config.model),
