@@ -45,15 +45,21 @@ join_tiny_en() {
     cp -r .gpu/vadpkg/silero_vad /tmp/site/
   fi
 }
+# The device tool brings back at most 8 files from its $OUT: with GPU_ARCHIVE=$OUT/gpu.tgz (and
+# OUTDIR outside $OUT) every stage's logs and JSON are packed into that one file as each stage
+# ends, so a call cut off at its time limit still brings back what the finished stages wrote.
+pack() { [[ -n ${GPU_ARCHIVE:-} ]] && tar czf "$GPU_ARCHIVE.tmp" -C "$OUT" . && mv "$GPU_ARCHIVE.tmp" "$GPU_ARCHIVE"; true; }
+trap pack EXIT
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' \
   | tee "$OUT/versions.txt"
 
 if [[ $STAGES == *tests* ]]; then
   echo "== GPU tests"
-  timeout ${GPU_TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider \
+  timeout ${GPU_TESTS_TIMEOUT:-170} python3 -m pytest -v -rfE -p no:cacheprovider \
     ${GPU_TESTS:-tests/test_gpu.py tests/test_gpu_drafts.py tests/test_decode_attention.py} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
+  pack
 fi
 
 if [[ $STAGES == *accuracy* ]]; then
@@ -71,6 +77,7 @@ if [[ $STAGES == *accuracy* ]]; then
         --out "$OUT/drafts_$dtype.json" 2>&1 | tail -12
       echo "draft_exactness $dtype: rc=${PIPESTATUS[0]}"
     done
+    pack
   fi
 fi
 
@@ -100,6 +107,7 @@ if [[ $STAGES == *engine* ]]; then
     --profile-out "$OUT/profile.txt" \
     ${GPU_BENCH_ARGS---encoder-compile --hf-batch-sizes 64 128 256 --eager-concurrency 256} 2>&1 \
     | tee "$OUT/bench.log" | grep -v Warning
+  pack
 fi
 
 if [[ $STAGES == *http* ]]; then
@@ -110,6 +118,7 @@ if [[ $STAGES == *http* ]]; then
   server=$!
   for _ in $(seq 240); do  # loading, compiling the encoder (~1 min), capturing the decode graphs
     curl -sf localhost:8000/health > /dev/null && break
+    kill -0 $server 2> /dev/null || { echo "the server exited while starting:"; tail -20 "$OUT/server.log"; break; }
     sleep 1
   done
   # Once a second, the engine's queues as the server sees them: tells a starved engine (few
@@ -123,5 +132,6 @@ if [[ $STAGES == *http* ]]; then
     --save-result "$OUT/http.json" --plot "$OUT/http.png" 2>&1 | tee "$OUT/http.log" | tail -12
   kill $server; wait $server
   tail -5 "$OUT/server.log"
+  pack
 fi
 ls -la "$OUT"

@@ -130,6 +130,7 @@ def main() -> int:
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
     exclude.write_text("\n".join([*lines, *(p for p in ("/.gpu/", "/.whl*/") if p not in lines)]) + "\n")
     if not args.no_wheels:
+        shutil.rmtree(ROOT / ".whl", ignore_errors=True)  # two versions of one package stop the install there
         download(ROOT / ".whl", WHEELS)
     if args.suite:
         download(ROOT / ".whl-suite", SUITE_WHEELS)
