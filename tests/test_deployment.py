@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import threading
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,8 @@ def test_deployments_probe_real_endpoints_on_the_served_port(app_routes):
         resources = container["resources"]
         assert resources["requests"]["cpu"] and resources["limits"]["memory"]
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        # a Service named asrserve would otherwise set ASRSERVE_PORT=tcp://... in the pod
+        assert pod["spec"]["enableServiceLinks"] is False
         # The pod is given longer than the server's own drain, so in-flight requests can finish.
         grace = float(env["ASRSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S"])
         assert pod["spec"]["terminationGracePeriodSeconds"] > grace + 5
@@ -132,6 +135,16 @@ def test_dockerfiles_run_the_server_as_non_root_with_a_model_volume(dockerfile):
                 assert (ROOT / source).exists(), source
     assert any(kind == "RUN" and "torch==${TORCH_VERSION}" in args for kind, args in instructions)
     assert "/health" in next(args for kind, args in instructions if kind == "HEALTHCHECK")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_dockerfiles_copy_every_file_the_package_build_reads(dockerfile):
+    """pip builds the package from what was copied: the readme and license files pyproject.toml
+    names (without LICENSE setuptools warned, and the wheel had no license file)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {"pyproject.toml", project["readme"], *project["license-files"], "asrserve"}
+    copied = {source for kind, args in _instructions(dockerfile) if kind == "COPY" for source in shlex.split(args)[:-1]}
+    assert needed <= copied, needed - copied
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
