@@ -119,6 +119,14 @@ def test_a_file_uploaded_in_the_playground_shows_its_transcript_segments_and_wor
     browser = Browser(chromium)
     try:
         open_playground(browser, server)
+        # The page holds the API key: its policy lets it connect to this server alone, its
+        # WebSocket included (the live test), not to another host's.
+        elsewhere = f"ws://127.0.0.2:{server.port}/v1/realtime"
+        assert browser.evaluate(f"""new Promise((resolve) => {{
+            document.addEventListener('securitypolicyviolation', (e) => resolve(e.effectiveDirective));
+            const socket = new WebSocket({elsewhere!r});
+            socket.onopen = socket.onerror = () => setTimeout(() => resolve('not blocked'), 500);
+        }})""") == "connect-src"
         browser.set_files("#file", path)
         browser.evaluate("document.getElementById('transcribe').click()")
         browser.wait_for("document.getElementById('upload-status').textContent.includes(' in ')", timeout=60)

@@ -21,10 +21,11 @@ from asrserve.errors import shown
 
 PLAYGROUND_DIR = Path(__file__).with_name("playground")
 ASSET_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
-# Only our own files run; the API and its WebSocket are on this origin; the player reads the
+# Only our own files run; the API and its WebSocket are on this origin (connect-src 'self' covers
+# ws: and wss: to it, and no other host: the page holds the API key); the player reads the
 # chosen file through a blob: URL.
 PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; connect-src 'self' ws: wss:; media-src 'self' blob:; "
+    "Content-Security-Policy": "default-src 'self'; connect-src 'self'; media-src 'self' blob:; "
     "img-src 'self' data:; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
