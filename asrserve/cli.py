@@ -28,7 +28,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
     group.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                        help="compile the audio encoder at start-up (torch.compile, ~10 s on CPU, up to a minute "
                        "on CUDA): auto does so on CUDA with bfloat16/float16, and on CPU with bfloat16 when a C++ "
-                       "compiler is installed")
+                       "compiler is installed and the C kernels do not run (with AVX512-BF16 the encoder runs "
+                       "eagerly over them)")
     group.add_argument("--encoder-quantization", choices=["auto", "int8", "none"], default="auto",
                        help="the audio encoder's linear layers in int8 (weights per output, activations per "
                        "row, quantized on the fly): auto does so on CPU in bfloat16 where the C kernels and "
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "words with --word-timestamps); srt and vtt: subtitles",
     )
     transcribe.add_argument("--output-dir", "-o", default=None, metavar="DIR",
-                            help="write each file's result to DIR/<name>.<format> instead of stdout")
+                            help="write each file's result to DIR/<stem>.txt|json|srt|vtt instead of stdout (the whole file "
+                            "name where two files share a stem)")
     transcribe.add_argument("--word-timestamps", action="store_true",
                             help="time every word (verbose_json shows them)")
     transcribe.add_argument("--prompt", default=None,
