@@ -386,6 +386,16 @@ def test_framework_errors_keep_the_openai_shape():
     response = client.get("/test/bug")
     error = _assert_error(response, 500, code="internal_error")
     assert "secret internal detail" not in response.text and error["type"] == "server_error"
+    # a bug that a request meets it meets again: OpenAI's SDKs would send it twice more
+    assert response.headers["x-should-retry"] == "false"
+    # every response names its request, as OpenAI's do (the SDKs' request_id); a load
+    # balancer's own id is kept, a header that is not an id is not
+    ids = [r.headers["x-request-id"] for r in (response, client.get("/version"), client.get("/nowhere"))]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == 3, ids
+    assert client.get("/version", headers={"X-Request-Id": "lb-7f3a:1"}).headers["x-request-id"] == "lb-7f3a:1"
+    for odd in ("two words", "x" * 129, "a\u00e9"):
+        forged = client.get("/version", headers={"X-Request-Id": odd.encode()})
+        assert re.fullmatch(r"req_[0-9a-f]{32}", forged.headers["x-request-id"]), odd
     _assert_error(client.post("/v1/audio/transcriptions", files={"file": b"x"}), 503, code="model_loading")
     assert client.get("/health").status_code == 503
     # HEAD as some monitors probe (it was 405), with no body

@@ -66,7 +66,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         # Outermost: a browser's preflight (OPTIONS, no key yet) is answered here, before auth.
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600,
+            allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600,
         )
     add_error_handlers(app)
     _add_operations_routes(app, state)

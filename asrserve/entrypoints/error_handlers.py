@@ -55,7 +55,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("internal error on %s %s", request.method, request.url.path)
+        rid = getattr(request.state, "request_id", None)
+        logger.exception("internal error on %s %s (request %s)", request.method, request.url.path, rid)
         body = error_body("internal server error: this is a bug in asrserve; the log has the details", "server_error",
                           code="internal_error")
-        return JSONResponse(body, status_code=500)
+        # OpenAI's SDKs retry a 500 twice, uploading again: the request would meet its bug again.
+        # (Sent from outside the middleware that stamps every response with its id.)
+        headers = {"x-should-retry": "false", **({"x-request-id": rid} if rid else {})}
+        return JSONResponse(body, status_code=500, headers=headers)

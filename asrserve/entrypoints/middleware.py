@@ -1,9 +1,12 @@
-"""Request counts and latency by endpoint, measured around every HTTP request."""
+"""Request counts and latency by endpoint, measured around every HTTP request, and each
+request's id (X-Request-Id)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
+import uuid
 
 from asrserve.entrypoints.metrics import ServerMetrics
 
@@ -19,6 +22,20 @@ ENDPOINTS = {
     "/version": "version",
     "/metrics": "metrics",
 }
+
+
+# A client's or load balancer's own id is kept when it looks like one (it follows the request
+# across hops); anything else is replaced, so no header value reaches a log or a response raw.
+_FORWARDED_ID = re.compile(rb"[\w.:@/+=-]{1,128}")
+
+
+def request_id(scope) -> str:
+    """The request's id, as OpenAI's SDKs read it (their `request_id`): the X-Request-Id the
+    client sent where it is plausible, else a new one in OpenAI's form, req_<32 hex digits>."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id" and _FORWARDED_ID.fullmatch(value):
+            return value.decode()
+    return f"req_{uuid.uuid4().hex}"
 
 
 class MetricsMiddleware:
@@ -37,10 +54,13 @@ class MetricsMiddleware:
         endpoint = ENDPOINTS.get(path) or ("models" if path.startswith("/v1/models/") else "other")
         start = time.monotonic()
         status = [None]
+        rid = request_id(scope)
+        scope.setdefault("state", {})["request_id"] = rid  # request.state.request_id
 
         async def send_with_status(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
             await send(message)
 
         try:
