@@ -52,9 +52,22 @@ class _RedactKeys(logging.Filter):
         return True
 
 
+class _RefusedHandshakes(logging.Filter):
+    """uvicorn (0.54, its sans-I/O WebSocket protocol) logs "ASGI callable returned without
+    completing handshake." at ERROR after every handshake refused with an HTTP response (a
+    wrong key, model or origin), which the client caused and got its 4xx for: alerts on server
+    errors would fire on each. asrserve's live endpoint always accepts, refuses or raises, so
+    the line means a refusal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "ASGI callable returned without completing handshake."
+
+
 def redact_keys_in_logs() -> None:
-    """After uvicorn has configured logging: its WebSocket protocol logs through uvicorn.error."""
+    """After uvicorn has configured logging (its WebSocket protocol logs through uvicorn.error):
+    keys redacted, and a refused handshake not logged as a server error."""
     for name in ("uvicorn.error", "websockets.server", "websockets.client"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _RedactKeys) for f in logger.filters):
-            logger.addFilter(_RedactKeys())
+        for kind in (_RedactKeys, _RefusedHandshakes):
+            if not any(isinstance(f, kind) for f in logger.filters):
+                logger.addFilter(kind())
