@@ -387,6 +387,11 @@ def test_sdk_verbose_json_with_segments_and_words(client, speech_files, offline)
             model="tiny.en", file=file, response_format="verbose_json"
         )
     assert segments_only.segments and not segments_only.words
+    with open(path, "rb") as file:  # words only: no segments, as OpenAI answers
+        words_only = client.audio.transcriptions.create(
+            model="tiny.en", file=file, response_format="verbose_json", timestamp_granularities=["word"]
+        )
+    assert words_only.segments is None and words_only.words == result.words and words_only.text == result.text
 
 
 def test_srt_and_vtt_through_the_sdk(client, server, speech_files):

@@ -76,13 +76,18 @@ def to_verbose_json(
     segments: list[Segment],
     with_words: bool,
     usage: dict[str, Any],
+    with_segments: bool = True,
 ) -> dict[str, Any]:
+    """OpenAI's verbose_json: segments unless only words were asked for (its
+    timestamp_granularities=["word"] answers with words alone), words where asked for."""
     body: dict[str, Any] = {
         "task": task,
         "language": reported_language(task, language),
         "duration": round(duration_s, 3),
         "text": text,
-        "segments": [
+    }
+    if with_segments:
+        body["segments"] = [
             {
                 "id": s.id,
                 "seek": s.seek,
@@ -96,8 +101,7 @@ def to_verbose_json(
                 "no_speech_prob": s.no_speech_prob,
             }
             for s in segments
-        ],
-    }
+        ]
     if with_words:
         body["words"] = [
             {"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for s in segments for w in s.words

@@ -123,6 +123,7 @@ class TranscriptionParams:
         self.arrival = arrival
         self.timestamps = params.response_format in TIMESTAMPED_FORMATS
         self.words = "word" in params.timestamp_granularities
+        self.segments = not self.words or "segment" in params.timestamp_granularities
         decode_once = params.stream or not params.temperature_fallback
         if params.stream and params.best_of is not None and params.best_of > 1:
             # Streamed text is sent as it is decoded: there is one sample to send.
@@ -228,7 +229,7 @@ def _render(state: ServerState, job: TranscriptionJob, job_params: Transcription
         return Response(to_vtt(segments), media_type=CONTENT_TYPES["vtt"])
     return JSONResponse(
         to_verbose_json(job_params.task, job.language, job.duration_s, text, segments, job_params.words,
-                        usage_duration(job.duration_s))
+                        usage_duration(job.duration_s), with_segments=job_params.segments)
     )
 
 
