@@ -166,6 +166,9 @@ def test_session_update_merges_and_names_what_is_wrong():
         ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 2}}}},
          "session.audio.input.turn_detection.threshold"),
         ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+        # it was accepted and did nothing: no input_audio_buffer.timeout_triggered ever came
+        ({"audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}}},
+         "session.audio.input.turn_detection.idle_timeout_ms"),
         ({"audio": {"input": {"speed": 2}}}, "session.audio.input.speed"),
         ({"include": ["item.input_audio_transcription.words"]}, "session.include"),
         # HTTP's form field limit (every decode of the session carried the prompt to the engine)

@@ -203,6 +203,9 @@ def _turn_detection(value: Any) -> ServerVAD | None:
         )
     _no_unknown(value, ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                         "interrupt_response", "idle_timeout_ms"), param)
+    if value.get("idle_timeout_ms") is not None:  # accepted, it would promise timeout_triggered events
+        raise RealtimeError("idle_timeout_ms is not available on this server; send null",
+                            param=f"{param}.idle_timeout_ms")
     threshold = value.get("threshold")
     threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
