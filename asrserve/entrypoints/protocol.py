@@ -112,3 +112,14 @@ def validation_error(errors) -> APIError:
 
 def usage_duration(seconds: float) -> dict[str, Any]:
     return {"type": "duration", "seconds": round(seconds, 3)}
+
+
+def usage_tokens(audio_tokens: int, text_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """OpenAI's token usage: the input is audio (encoder positions) and text (the prompt)."""
+    return {
+        "type": "tokens",
+        "input_tokens": audio_tokens + text_tokens,
+        "input_token_details": {"audio_tokens": audio_tokens, "text_tokens": text_tokens},
+        "output_tokens": output_tokens,
+        "total_tokens": audio_tokens + text_tokens + output_tokens,
+    }

@@ -35,6 +35,7 @@ from asrserve.entrypoints.protocol import (
     TranscriptionRequest,
     error_body,
     usage_duration,
+    usage_tokens,
 )
 from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.server_state import ServerState
@@ -276,14 +277,9 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
                 event["logprobs"] = _logprob_entries(state, job.shown_logprobs[sent:])
                 sent = len(job.shown_logprobs)
             yield _sse(event)
-        audio_tokens = job.num_decodes_shown * 1500
-        usage = {
-            "type": "tokens",
-            "input_tokens": audio_tokens,
-            "input_token_details": {"audio_tokens": audio_tokens, "text_tokens": 0},
-            "output_tokens": job.num_output_tokens,
-            "total_tokens": audio_tokens + job.num_output_tokens,
-        }
+        # Each decode reads a window's 1500 audio positions and the prompt's tokens (at most 223).
+        prompt_tokens = state.tokenizer.num_prompt_tokens(job_params.request.prompt)
+        usage = usage_tokens(job.num_decodes_shown * 1500, job.num_decodes_shown * prompt_tokens, job.num_output_tokens)
         done = {"type": "transcript.text.done", "text": job.text, "usage": usage}
         if include_logprobs:
             done["logprobs"] = _logprob_entries(state, job.shown_logprobs)

@@ -152,6 +152,10 @@ class WhisperTokenizer:
             tail *= 4  # tokens of many characters each (runs of symbols)
         return self.encode(text)
 
+    def num_prompt_tokens(self, prompt: str | None) -> int:
+        """The tokens of a prompt that a decode reads (its last MAX_PROMPT_TOKENS)."""
+        return min(len(self.prompt_tokens(prompt)), MAX_PROMPT_TOKENS) if prompt and prompt.strip() else 0
+
     def task_tokens(self, language: str, task: str, timestamps: bool = False) -> list[int]:
         task_id = self.special.translate if task == "translate" else self.special.transcribe
         return [self.special.language_ids[language], task_id, *([] if timestamps else [self.special.no_timestamps])]
