@@ -385,6 +385,14 @@ def test_words_a_continuation_repeats_from_its_parent_are_dropped(tiny_en_engine
     other = _piece(tokenizer, [0.0, " can do for you.", 2.0])
     drop_repeated_words(tokenizer, [parent, other])
     assert tokenizer.decode(other.token_ids).strip() == "can do for you."
+    # A sentence said again is not a re-read: a loop's continuation (the parent kept three
+    # copies) opens with the fourth copy, and keeps it and the fifth.
+    sentence = " She sells sea shells by the sea shore."
+    looped = _piece(tokenizer, [0.0, sentence, 3.0, 3.6, sentence, 6.6, 7.2, sentence, 10.2], finish_reason="repetition")
+    again = _piece(tokenizer, [0.0, sentence, 3.0, 3.6, sentence, 6.6], duration=19.8)
+    again.is_continuation = True
+    drop_repeated_words(tokenizer, [looped, again])
+    assert tokenizer.decode(again.token_ids).strip() == (sentence * 2).strip()
 
 
 def test_streamed_long_audio_sends_each_segment_once(tiny_en_engine, speech_audio):

@@ -206,12 +206,20 @@ MIN_REPEATED_WORDS = 2  # one repeated word may well have been said twice
 def drop_repeated_words(tokenizer: WhisperTokenizer, pieces: list[PieceResult]) -> None:
     """A continuation starts at its parent's last timestamp, which Whisper may place before the
     parent's last words end: the continuation then writes them again. Drops the words a
-    continuation opens with that its parent's text ends with (at least two in a row)."""
+    continuation opens with that its parent's text ends with (at least two in a row), and
+    fewer than the parent's last segment holds: a timestamp early by a moment re-reads the end
+    of that segment, never all of it. (A sentence said again, as a loop's continuation follows
+    the copies its parent kept, was dropped whole, and the copies after it with it.)"""
     eot = tokenizer.special.eot
     for previous, piece in zip(pieces, pieces[1:]):
         if not piece.is_continuation or previous.is_silence or piece.is_silence:
             continue
-        before = _normalized_words(tokenizer.decode(previous.token_ids))[-MAX_REPEATED_WORDS:]
+        segments, _ = _segments(tokenizer, previous.token_ids)
+        limit = MAX_REPEATED_WORDS
+        if segments:
+            last = previous.token_ids[segments[-1].first_index : segments[-1].end_index]
+            limit = min(limit, len(_normalized_words(tokenizer.decode(last))) - 1)
+        before = _normalized_words(tokenizer.decode(previous.token_ids))[-limit:] if limit > 0 else []
         text_tokens = [token for token in piece.token_ids if token < eot]
         after = _normalized_words(tokenizer.decode(text_tokens))
         overlap = next(
