@@ -156,6 +156,36 @@ def test_an_implausibly_long_segment_is_decoded_again(tiny_en_engine):
     assert segments[0].end == pytest.approx(plan.seek_s)
 
 
+def test_text_left_open_over_seconds_of_speech_is_decoded_again(tiny_en_engine):
+    """Text that <|endoftext|> left open runs to its piece's end: a sentence of a few words
+    open for 13 s skipped the speech under it (base, a German sentence after English ones: 9 s
+    came back with no text). It is read as an implausible segment is."""
+    tokenizer = tiny_en_engine.tokenizer
+    sentence = " Am Morgen fahren wir."
+    alone = _piece(tokenizer, [sentence], duration=12.98)
+    plan = plan_continuation(tokenizer, alone, _loud(12.98), depth=0, user_prompt=None, timestamps=True)
+    assert plan is not None and plan.reason == "implausible_open" and 1.0 < plan.seek_s < 6.0
+    assert tokenizer.decode(alone.token_ids).strip() == sentence.strip()  # its words kept, closed at the seek
+    assert tokenizer.timestamp_seconds(alone.token_ids[-1]) == pytest.approx(plan.seek_s)
+    assert len(alone.logprobs) == len(alone.token_ids)
+    assert [(s.start, s.end) for s in build_segments(tokenizer, [alone], "en")] == [(0.0, pytest.approx(plan.seek_s))]
+    # After a closed segment: decoded again from where the open text starts.
+    after = _piece(tokenizer, [0.0, " It began at dawn.", 2.0, 2.0, " the dreams"])
+    plan = plan_continuation(tokenizer, after, _loud(), depth=0, user_prompt=None, timestamps=True)
+    assert plan.reason == "implausible_open" and plan.seek_s == pytest.approx(2.0)
+    assert tokenizer.decode(after.token_ids).strip() == "It began at dawn."
+    # A last sentence as long as its span, or with nothing but silence after its words, stays.
+    spoken = _piece(tokenizer, [0.0, " It began at dawn.", 2.0, 2.0, " And the whole town woke to the bells ringing"],
+                    duration=8.0)
+    assert plan_continuation(tokenizer, spoken, _loud(8.0), depth=0, user_prompt=None, timestamps=True) is None
+    quiet = _loud(12.98)
+    quiet[4 * SAMPLE_RATE :] = 0  # the seek point is past 4 s
+    before = _piece(tokenizer, [sentence], duration=12.98).token_ids
+    kept = _piece(tokenizer, [sentence], duration=12.98)
+    assert plan_continuation(tokenizer, kept, quiet, depth=0, user_prompt=None, timestamps=True) is None
+    assert kept.token_ids == before
+
+
 def test_continuation_times_are_absolute(tiny_en_engine):
     tokenizer = tiny_en_engine.tokenizer
     parent = _piece(tokenizer, [0.0, " First part.", 4.0])

@@ -62,7 +62,7 @@ class Continuation:
     """The rest of a piece: where it starts, its audio, and what it is decoded with."""
 
     seek_s: float  # from the start of the parent piece
-    reason: str  # "early_stop", "length", "repetition" or "implausible_segment": for logs and tests
+    reason: str  # "early_stop", "length", "repetition", "implausible_segment" or "implausible_open": for logs
     prompt: str | None  # the parent's text, as previous text
     samples: np.ndarray  # the parent's audio from seek_s on
     result: PieceResult  # where its outputs go: offset and language follow the parent's
@@ -88,8 +88,8 @@ def plan_continuation(
     eot = tokenizer.special.eot
     if not timestamps:
         return None
-    segments, open_index = _segments(tokenizer, piece.token_ids)
-    found = _seek_point(piece, segments, open_index)
+    segments, open_text = _segments(tokenizer, piece.token_ids, piece.duration_s)
+    found = _seek_point(piece, segments, open_text)
     if found is None:
         return None
     seek_s, keep, reason, closing_time = found
@@ -97,13 +97,18 @@ def plan_continuation(
         return None
     seek_sample = round(seek_s * SAMPLE_RATE)
     sound = first_sound(samples[seek_sample:], samples)  # samples past the seek point
-    if reason == "early_stop" and sound is None:
+    if reason in ("early_stop", "implausible_open") and sound is None:
         return None
     start_sample = _past_the_pause(seek_sample, sound)
     del piece.token_ids[keep:]
     del piece.logprobs[keep:]
     if closing_time is not None:  # an implausible first segment keeps its text, ending where we seek
-        piece.token_ids[keep - 1] = tokenizer.timestamp_token(closing_time)
+        closing = tokenizer.timestamp_token(closing_time)
+        if tokenizer.is_timestamp(piece.token_ids[keep - 1]):
+            piece.token_ids[keep - 1] = closing
+        else:  # text left open: closed there
+            piece.token_ids.append(closing)
+            piece.logprobs.append(0.0)
     piece.duration_s = seek_s
     temperature = piece.summary.temperature if piece.summary else 0.0
     text = tokenizer.decode([token for token in piece.token_ids if token < eot]).strip()
@@ -149,13 +154,15 @@ def _implausible(segment: _Segment) -> bool:
     return duration >= IMPLAUSIBLE_SEGMENT_S and segment.num_text / duration < IMPLAUSIBLE_TOKENS_PER_S
 
 
-def _segments(tokenizer: WhisperTokenizer, token_ids: list[int]) -> tuple[list[_Segment], int | None]:
-    """The closed segments (text between two timestamps), and the index where text left open at
-    the end starts (None if the tokens end with a closed segment)."""
+def _segments(tokenizer: WhisperTokenizer, token_ids: list[int], duration_s: float = 30.0
+              ) -> tuple[list[_Segment], _Segment | None]:
+    """The closed segments (text between two timestamps), and the text left open at the end as
+    a segment that runs to `duration_s` (its end_index one past its last text token; None if
+    the tokens end with a closed segment)."""
     eot = tokenizer.special.eot
     segments: list[_Segment] = []
     opening: float | None = None
-    first_index = 0
+    first_index = text_end = 0
     num_text = 0
     last_end = 0.0
     for index, token in enumerate(token_ids):
@@ -169,12 +176,14 @@ def _segments(tokenizer: WhisperTokenizer, token_ids: list[int]) -> tuple[list[_
         elif token < eot:
             if opening is None:  # text with no opening timestamp starts where the last segment ended
                 opening, first_index, num_text = last_end, index, 0
-            num_text += 1
-    return segments, (first_index if opening is not None else None)
+            num_text, text_end = num_text + 1, index + 1
+    if opening is None:
+        return segments, None
+    return segments, _Segment(opening, max(duration_s, opening), num_text, first_index, max(text_end, first_index))
 
 
 def _seek_point(
-    piece: PieceResult, segments: list[_Segment], open_index: int | None
+    piece: PieceResult, segments: list[_Segment], open_text: _Segment | None
 ) -> tuple[float, int, str, float | None] | None:
     """(seek seconds, tokens to keep, reason, new closing time of the last kept segment or None)."""
     for segment in segments:
@@ -185,6 +194,14 @@ def _seek_point(
             # keep its words, give them a plausible span and decode the rest after it.
             seek_s = round((segment.start_s + 1.0 + segment.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
             return seek_s, segment.end_index, "implausible_segment", seek_s
+    last = open_text if piece.finish_reason == "stop" else None
+    if last is not None and _implausible(last):
+        # Text left open by <|endoftext|> runs to the piece's end: a sentence, then seconds of
+        # speech under no text (a piece's language changing there: the speech skipped).
+        if last.start_s >= MIN_PROGRESS_S:
+            return last.start_s, last.first_index, "implausible_open", None
+        seek_s = round((last.start_s + 1.0 + last.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
+        return seek_s, last.end_index, "implausible_open", seek_s
     if not segments:
         return None
     last_end, keep = segments[-1].end_s, segments[-1].end_index
@@ -192,9 +209,9 @@ def _seek_point(
     # remains); so is text left open when the tokens ran out, cut mid-sentence. Text left open
     # by <|endoftext|> is the piece's last sentence running to its end (a piece ends at a cut,
     # not inside speech that goes on, as openai/whisper's windows do): kept.
-    if piece.finish_reason == "repetition" or (piece.finish_reason == "length" and open_index is not None):
+    if piece.finish_reason == "repetition" or (piece.finish_reason == "length" and open_text is not None):
         return last_end, keep, piece.finish_reason, None
-    if open_index is None and piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S:
+    if open_text is None and piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S:
         return last_end, keep, "early_stop", None
     return None
 
