@@ -341,6 +341,21 @@ def test_a_wav_whose_data_size_was_never_written_is_read_whole(tmp_path):
     assert len(load_audio(bytes(data))) == 2 * SR
 
 
+def test_a_flac_of_unknown_length_is_read_whole():
+    """A FLAC written to a pipe (ffmpeg -f flac -) leaves STREAMINFO's total samples at 0,
+    "unknown": libsndfile then reports SF_COUNT_MAX frames, and the file was refused as
+    576460752303423.5 s long."""
+    buffer = io.BytesIO()
+    soundfile.write(buffer, tone(2.0, SR), SR, format="FLAC", subtype="PCM_16")
+    data = bytearray(buffer.getvalue())
+    assert data[:4] == b"fLaC"
+    info = 8  # STREAMINFO's fields: total samples are the low 36 bits of its bytes 10-17
+    data[info + 13] &= 0xF0
+    data[info + 14 : info + 18] = bytes(4)
+    assert soundfile.info(io.BytesIO(bytes(data))).frames > 2**62
+    assert len(load_audio(bytes(data), max_duration_s=60)) == 2 * SR
+
+
 def test_many_channels_at_a_high_rate_shrink_the_duration_limit(tmp_path):
     """Decoding costs by every channel's samples: a small FLAC of 8 channels at 384 kHz
     (silence compresses to nothing) held a preprocessing worker for minutes at an accepted

@@ -95,6 +95,7 @@ MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 768_000
 DECODE_BUDGET_RATE = 8 * 48_000
 BLOCK_SAMPLES = 1 << 20  # decoded, mixed down and resampled this many samples (4 MB) at a time
 MAX_PREALLOCATED_S = 4 * 3600  # the most audio a declared length reserves room for up front
+UNKNOWN_FRAMES = 1 << 62  # libsndfile's frame counts from here up (SF_COUNT_MAX) mean "not known"
 
 
 class MonoResampler:
@@ -249,8 +250,10 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
                 raise _NotForLibsndfile
             if file.frames == 0:  # a header whose data size was never written (a recorder cut off): ffmpeg reads on
                 raise _NotForLibsndfile
-            resampler = MonoResampler(file.samplerate, max_duration_s, file.frames, on_progress,
-                                      channels=file.channels)
+            # A FLAC of unknown length (STREAMINFO's total 0, as ffmpeg writes to a pipe) reports
+            # SF_COUNT_MAX frames: unknown too, charged as it is read.
+            declared = file.frames if file.frames < UNKNOWN_FRAMES else 0
+            resampler = MonoResampler(file.samplerate, max_duration_s, declared, on_progress, channels=file.channels)
             block_frames = max(1, BLOCK_SAMPLES // max(1, file.channels))
             # Read until the decoder gives nothing more: a header's frame count may be wrong.
             while True:
