@@ -1,12 +1,20 @@
 """Errors a user can cause. Their messages are one line and safe to show (HTTP 4xx)."""
 
+import reprlib
+from typing import Any
+
 from asrserve.audio.decode import AudioError
 
 
-def shown(value: str, limit: int = 40) -> str:
+def shown(value: Any, limit: int = 40) -> str:
     """A user's value quoted for an error message, cut short: messages name the problem, they
-    do not echo kilobytes of input back."""
-    return repr(value if len(value) <= limit else value[:limit] + "...")
+    do not echo kilobytes of input back (nor a JSON value nested thousands deep)."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= limit else value[:limit] + "...")
+    short = reprlib.Repr()  # (its settings are not constructor arguments before Python 3.12)
+    short.maxlevel, short.maxlist, short.maxdict = 2, 4, 4
+    short.maxstring = short.maxother = short.maxlong = limit
+    return short.repr(value)
 
 
 class InvalidRequestError(ValueError):

@@ -393,6 +393,12 @@ def test_chunking_strategy_values():
     ):
         with pytest.raises(ValueError, match=word):
             ChunkingStrategy.parse(bad, default)
+    # JSON nested thousands deep is a bad value (it was a 500), and what was sent is not echoed whole
+    for bad in ('{"a":' * 5000 + "1" + "}" * 5000, '{"type": "server_vad", "threshold": ' + "[" * 5000 + "]" * 5000 + "}",
+                "x" * 60_000, '{"type": "' + "y" * 60_000 + '"}', {"type": "server_vad", "threshold": ["z" * 60_000]}):
+        with pytest.raises(ValueError) as error:
+            ChunkingStrategy.parse(bad, default)
+        assert len(str(error.value)) < 200, str(error.value)[:300]
     assert AudioPiece(16000, np.zeros(1, np.float32)).start_seconds == 1.0
 
 

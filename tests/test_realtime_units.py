@@ -189,6 +189,14 @@ def test_session_update_merges_and_names_what_is_wrong():
         with pytest.raises(RealtimeError) as error:
             config.updated(session)
         assert error.value.param == param, session
+    # what was sent is named, not echoed whole (a 1 MB value came back as a 1 MB error event)
+    huge = "x" * 1_000_000
+    for session in ({"audio": {"input": {"format": {"type": huge}}}}, {"audio": {"input": {huge: 1}}},
+                    {"audio": {"input": {"format": {"type": "audio/pcm", "rate": [huge]}}}},
+                    {"audio": {"input": {"turn_detection": {"type": huge}}}}):
+        with pytest.raises(RealtimeError) as error:
+            config.updated(session)
+        assert len(error.value.message) < 200 and len(error.value.param) < 100
 
 
 class _Tokens:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
+from asrserve.errors import shown
 
 SEARCH_SAMPLES = SAMPLE_RATE  # the last second of each span
 WINDOW_SAMPLES = SAMPLE_RATE // 10  # 100 ms
@@ -50,19 +51,21 @@ class ChunkingStrategy:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"not valid JSON: {error}") from None
+            except RecursionError:  # nested thousands deep (a bug's 500 before)
+                raise ValueError("not JSON we read: nested too deep") from None
         if isinstance(value, str):
             if value == "auto":
                 return cls("server_vad")
             if value in CHUNKING_TYPES:
                 return cls(value)
-            raise ValueError(f"must be 'auto', 'energy' or an object with type 'server_vad', got {value!r}")
+            raise ValueError(f"must be 'auto', 'energy' or an object with type 'server_vad', got {shown(value)}")
         if not isinstance(value, dict):
             raise ValueError("must be 'auto', 'energy' or an object with type 'server_vad'")
         unknown = set(value) - {"type", "threshold", "prefix_padding_ms", "silence_duration_ms"}
         if unknown:
-            raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
+            raise ValueError(f"unknown field {shown(sorted(unknown)[0])}")
         if value.get("type") not in CHUNKING_TYPES:
-            raise ValueError(f"type must be 'server_vad' (or 'energy'), got {value.get('type')!r}")
+            raise ValueError(f"type must be 'server_vad' (or 'energy'), got {shown(value.get('type'))}")
         threshold = _number(value, "threshold", 0.0, 1.0, float)
         padding = _number(value, "prefix_padding_ms", 0, 10_000, int)
         silence = _number(value, "silence_duration_ms", 0, 10_000, int)
@@ -84,9 +87,9 @@ def _number(value: dict, name: str, low, high, kind):
             raise ValueError
         number = kind(float(raw))
     except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        raise ValueError(f"{name} must be a number, got {shown(raw)}") from None
     if not low <= number <= high or number != number:
-        raise ValueError(f"{name} must be between {low} and {high}, got {raw!r}")
+        raise ValueError(f"{name} must be between {low} and {high}, got {shown(raw)}")
     return number
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
+from asrserve.errors import shown
 
 # OpenAI's server_vad defaults (realtime_transcription_session_audio_input_turn_detection.py).
 VAD_PREFIX_PADDING_MS = 300
@@ -151,6 +152,7 @@ def _is_integer(value: Any) -> bool:
 def _no_unknown(value: dict[str, Any], known: tuple[str, ...], param: str) -> None:
     for name in value:
         if name not in known:
+            name = name if len(name) <= 40 else name[:40] + "..."  # not kilobytes of a key, twice
             raise RealtimeError(f"unknown field {param}.{name} for a transcription session", param=f"{param}.{name}")
 
 
@@ -161,12 +163,12 @@ def _with_format(config: SessionConfig, value: Any) -> SessionConfig:
     if kind == "audio/pcm":
         rate = value.get("rate", 24_000)
         if not _is_integer(rate) or rate not in PCM_RATES:
-            raise RealtimeError(f"audio/pcm rate must be 24000 or 16000, got {rate!r}", param=f"{param}.rate")
+            raise RealtimeError(f"audio/pcm rate must be 24000 or 16000, got {shown(rate)}", param=f"{param}.rate")
         return replace(config, format=kind, rate=rate)
     if kind in ("audio/pcmu", "audio/pcma"):
         return replace(config, format=kind, rate=G711_RATE)
     raise RealtimeError(
-        f"unsupported input audio format {kind!r}: use audio/pcm, audio/pcmu or audio/pcma", param=f"{param}.type"
+        f"unsupported input audio format {shown(kind)}: use audio/pcm, audio/pcmu or audio/pcma", param=f"{param}.type"
     )
 
 
@@ -198,7 +200,7 @@ def _turn_detection(value: Any) -> ServerVAD | None:
     value = _object(value, param)
     if value.get("type") != "server_vad":
         raise RealtimeError(
-            f"turn_detection type {value.get('type')!r} is not available: use server_vad, or null to commit "
+            f"turn_detection type {shown(value.get('type'))} is not available: use server_vad, or null to commit "
             "the buffer yourself", param=f"{param}.type",
         )
     _no_unknown(value, ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",

@@ -25,6 +25,7 @@ from asrserve.entrypoints.live_interims import interim_loop
 from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, sample_ms, user_item
 from asrserve.entrypoints.protocol import usage_duration
 from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
+from asrserve.errors import shown
 
 MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
 CUT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where a 30 s segment's cut is looked for
@@ -61,7 +62,7 @@ class RealtimeSession:
         handler = {"session.update": self._update, "input_audio_buffer.append": self._append,
                    "input_audio_buffer.commit": self._commit, "input_audio_buffer.clear": self._clear}.get(kind)
         if handler is None:
-            raise RealtimeError(f"unknown or unsupported event type {kind!r} in a transcription session", param="type",
+            raise RealtimeError(f"unknown or unsupported event type {shown(kind)} in a transcription session", param="type",
                                 code="unknown_event_type")
         await handler(event)
 

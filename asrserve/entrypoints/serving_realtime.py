@@ -33,7 +33,7 @@ from asrserve.entrypoints.realtime_protocol import (
 from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSession
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
-from asrserve.errors import InvalidRequestError
+from asrserve.errors import InvalidRequestError, shown
 
 logger = logging.getLogger("asrserve.realtime")
 
@@ -164,7 +164,7 @@ def _authorize(websocket: WebSocket, state: ServerState) -> str | None:
 def _check_query(websocket: WebSocket, state: ServerState) -> None:
     intent = websocket.query_params.get("intent")
     if intent is not None and intent != "transcription":
-        raise APIError(400, f"intent {intent!r} is not available: this server runs transcription sessions "
+        raise APIError(400, f"intent {shown(intent)} is not available: this server runs transcription sessions "
                        "(?intent=transcription)", param="intent")
     check_model_name(websocket.query_params.get("model"), state)
 
