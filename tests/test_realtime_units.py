@@ -420,7 +420,7 @@ def test_a_turn_whose_final_is_done_completes_before_any_other_task_runs():
             events.append(event)
 
         tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(f"w{t}" for t in tokens))
-        metrics = SimpleNamespace(realtime_completed_latency=SimpleNamespace(observe=lambda seconds: None))
+        metrics = SimpleNamespace(record_live_item=lambda *figures: None)
         session = RealtimeSession("s", SessionConfig(turn_detection=None), RealtimeOptions(), None, tokenizer,
                                   send=send, run_vad=None, metrics=metrics)
         session.audio.append(np.zeros(16_000, np.float32))
@@ -473,7 +473,7 @@ def _session(config: SessionConfig, engine=None, options: RealtimeOptions | None
         return function(*args)
 
     tokenizer = SimpleNamespace(decode=lambda tokens: "", special=SimpleNamespace(eot=1))
-    metrics = SimpleNamespace(realtime_completed_latency=SimpleNamespace(observe=lambda seconds: None))
+    metrics = SimpleNamespace(record_live_item=lambda *figures: None)
     session = RealtimeSession("s", config, options or RealtimeOptions(interim_interval_s=0), engine, tokenizer,
                               send=send, run_vad=run_vad, metrics=metrics)
     return session, events
