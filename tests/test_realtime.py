@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 import time
 
 import numpy as np
@@ -356,6 +357,65 @@ def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
 
     asyncio.run(run())
     wait_for_idle_engine(server)
+
+
+def test_a_session_that_commits_in_a_loop_waits_for_its_own_transcripts(server):
+    """Finals are served ahead of every file upload: 300 commits of 100 ms each, sent at once,
+    queued 300 engine requests before everyone else's work. The session now reads no more
+    events while it has MAX_SESSION_TASKS turns' work in flight."""
+    from asrserve.entrypoints.live_item import MAX_SESSION_TASKS
+
+    noise = pcm((0.05 * np.random.default_rng(3).standard_normal(2_400)).astype(np.float32))
+    url = server.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
+    queued: list[float] = []
+
+    async def run():
+        async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "transcription", "audio": {"input": {"turn_detection": None}}}}))
+            append = json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(noise).decode()})
+            for _ in range(300):
+                await ws.send(append)
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            for _ in range(20):
+                metrics = await asyncio.to_thread(server.metrics)
+                queued.append(metrics["asrserve_num_requests_waiting"] + metrics["asrserve_num_requests_running"])
+                await asyncio.sleep(0.1)
+
+    asyncio.run(run())
+    assert max(queued) <= MAX_SESSION_TASKS, queued
+    wait_for_idle_engine(server, timeout=120)
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(server):
+    """A client that sends events and never reads the answers filled the buffers: the server's
+    sends waited for room for ever, neither the idle timeout nor the keepalive ended the
+    session, and such clients held every slot of --realtime-max-sessions."""
+    before = server.metrics()["asrserve_realtime_sessions"]
+    hog = socket.create_connection(("127.0.0.1", server.port))
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hog.sendall((f"GET /v1/realtime?intent=transcription HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                 f"Connection: Upgrade\r\nAuthorization: Bearer {API_KEY}\r\nSec-WebSocket-Version: 13\r\n"
+                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n").encode())
+    event = json.dumps({"type": "no.such.event", "event_id": "e" * 400}).encode()
+    frame = bytes([0x81, 0x80 | 126]) + len(event).to_bytes(2, "big") + bytes(4) + event  # masked with zeros
+    hog.setblocking(False)
+    started = blocked_since = time.monotonic()
+    try:
+        # until the server stops reading (its answers unread fill every buffer between us)
+        while time.monotonic() - blocked_since < 3 and time.monotonic() - started < 60:
+            try:
+                hog.send(frame * 64)
+                blocked_since = time.monotonic()
+            except BlockingIOError:
+                time.sleep(0.1)
+        assert server.metrics()["asrserve_realtime_sessions"] == before + 1
+        deadline = time.monotonic() + IDLE_TIMEOUT_S + 20
+        while server.metrics()["asrserve_realtime_sessions"] > before and time.monotonic() < deadline:
+            time.sleep(1)
+        assert server.metrics()["asrserve_realtime_sessions"] == before, "the session outlived its idle timeout"
+    finally:
+        hog.close()
 
 
 def test_the_idle_timeout_waits_for_the_transcripts_a_client_waits_for(speech_audio):

@@ -97,6 +97,37 @@ class Item:
         return event
 
 
+# A session's turns still being transcribed, as tasks (a final decode, its text, its completion:
+# about three a turn). Past this many the session reads no more events until some finish.
+MAX_SESSION_TASKS = 24
+
+
+class SessionTasks:
+    """A live session's background work: cancelled with the session, and bounded."""
+
+    def __init__(self) -> None:
+        self.running: set[asyncio.Task] = set()
+
+    def spawn(self, work) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        return task
+
+    def cancel(self, why: str) -> list[asyncio.Task]:
+        tasks = list(self.running)
+        for task in tasks:
+            task.cancel(why)
+        return tasks
+
+    async def room(self) -> None:
+        """Waits while the session has MAX_SESSION_TASKS: a client that commits in a loop, or
+        appends an hour of turns at once, waits for its own transcripts (finals are served
+        ahead of all file work; 1000 commits queued 969 of them before everyone else's)."""
+        while len(self.running) >= MAX_SESSION_TASKS:
+            await asyncio.wait(set(self.running), return_when=asyncio.FIRST_COMPLETED)
+
+
 class SessionAudio:
     """The session's 16 kHz audio from `origin` (a sample offset since the session began)."""
 

@@ -22,7 +22,9 @@ from asrserve.config import N_SAMPLES, SAMPLE_RATE
 from asrserve.entrypoints import live_decode
 from asrserve.entrypoints.live_decode import LiveDecode, WordBoundaries
 from asrserve.entrypoints.live_interims import interim_loop
-from asrserve.entrypoints.live_item import Item, RealtimeOptions, Segment, SessionAudio, sample_ms, user_item
+from asrserve.entrypoints.live_item import (
+    Item, RealtimeOptions, Segment, SessionAudio, SessionTasks, sample_ms, user_item,
+)
 from asrserve.entrypoints.protocol import usage_duration
 from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
 from asrserve.errors import shown
@@ -50,7 +52,7 @@ class RealtimeSession:
         self.vad: VADStream | None = None
         self.turns: TurnDetector | None = None
         self._vad_origin = 0
-        self._tasks: set[asyncio.Task] = set()  # final decodes, their emission, completions: cancelled on close
+        self.tasks = SessionTasks()  # final decodes, their emission, completions: cancelled on close
         self._interim: asyncio.Task | None = None
         self._last_completion: asyncio.Task | None = None  # items complete in commit order
         self._start_vad()
@@ -218,7 +220,7 @@ class RealtimeSession:
             await self._send_final_text(item, segment)
             await self._send_completed(item, end, committed_at)
         else:
-            self._last_completion = self._spawn(self._complete(item, end, committed_at, self._last_completion))
+            self._last_completion = self.tasks.spawn(self._complete(item, end, committed_at, self._last_completion))
 
     def _ready(self, item: Item) -> bool:
         """Whether the item's text can go out now: its final decode done, the segments before it
@@ -247,7 +249,7 @@ class RealtimeSession:
         if segment.final is not None:
             return
         audio = self.audio.slice(segment.start, end)
-        segment.final = self._spawn(live_decode.decode(
+        segment.final = self.tasks.spawn(live_decode.decode(
             self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
             live_decode.final_params(bool(segment.stable)), final=True, previous=segment.previous,
         ))
@@ -264,7 +266,7 @@ class RealtimeSession:
             await segment.final
             await self._send_final_text(item, segment)
 
-        segment.emitted = self._spawn(emit())
+        segment.emitted = self.tasks.spawn(emit())
 
     async def _send_final_text(self, item: Item, segment: Segment) -> None:
         """The segment's final text past what its interims sent (its final decode is done)."""
@@ -323,12 +325,6 @@ class RealtimeSession:
 
     # --- life --------------------------------------------------------------------------------
 
-    def _spawn(self, work) -> asyncio.Task:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def end_for_shutdown(self) -> None:
         """The server stops: commits the open turn; returns once every committed item is done."""
         if self.item is not None and self.audio.end - self.item.start >= MIN_COMMIT_SAMPLES:
@@ -339,12 +335,9 @@ class RealtimeSession:
     @property
     def transcribing(self) -> bool:
         """Whether a committed item (or an early final decode) is still being transcribed."""
-        return bool(self._tasks)
+        return bool(self.tasks.running)
 
     def close(self) -> list[asyncio.Task]:
         """The client left, or shutdown cannot wait: its decodes stop; returns the tasks it cancelled."""
         self._cancel_interim(live_decode.SESSION_ENDED)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel(live_decode.SESSION_ENDED)
-        return tasks
+        return self.tasks.cancel(live_decode.SESSION_ENDED)

@@ -184,9 +184,20 @@ async def _send(websocket: WebSocket, event: dict[str, Any]) -> None:
     await websocket.send_text(json.dumps(event, ensure_ascii=False))
 
 
+def _abort(websocket: WebSocket) -> None:
+    """Drops the connection without a closing handshake. A close waits to flush what the client
+    has not read, and a client that reads nothing never lets it: its session (and its slot
+    under --realtime-max-sessions) stayed for ever. uvicorn's protocols (the ASGI send's owner)
+    hold the transport."""
+    transport = getattr(getattr(websocket._send, "__self__", None), "transport", None)
+    if transport is not None:
+        transport.abort()
+
+
 async def _run_session(websocket: WebSocket, state: ServerState, realtime: RealtimeState) -> None:
     send_lock = asyncio.Lock()
     closed = False
+    idle_timeout = state.config.realtime_idle_timeout_s
 
     async def send(event: dict[str, Any]) -> None:
         nonlocal closed
@@ -194,7 +205,13 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             return
         async with send_lock:
             try:
-                await _send(websocket, event)
+                # A client that has not read for the idle timeout is gone as much as one that
+                # sends nothing (its unread events fill the buffers; the send waits for room).
+                await asyncio.wait_for(_send(websocket, event), idle_timeout)
+            except asyncio.TimeoutError:
+                closed = True
+                logger.info("realtime session %s: the client read nothing for %g s; dropped", session_id, idle_timeout)
+                _abort(websocket)  # the receive loop sees the disconnect and ends the session
             except (WebSocketDisconnect, RuntimeError, OSError):
                 closed = True  # the receive loop sees the disconnect and ends the session
 
@@ -220,7 +237,6 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
     await send(server_event("session.created", session=config.as_session(session_id)))
     if vad_error is not None:
         await send(_vad_unavailable(vad_error).event(None))
-    idle_timeout = state.config.realtime_idle_timeout_s
     connection = LiveConnection(session, send, close)
     realtime.sessions.add(connection)
     try:
@@ -251,6 +267,7 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                     _check_session(event, state)
                     if vad_error is not None and session.config.updated(event.get("session")).turn_detection:
                         raise _vad_unavailable(vad_error)
+                await session.tasks.room()  # (backpressure: the client's events wait in its socket)
                 async with connection.handling:
                     await session.handle(event)
             except RealtimeError as error:
