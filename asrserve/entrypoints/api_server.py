@@ -173,8 +173,9 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
             app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
             timeout_keep_alive=30, timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
             # Above the largest realtime event we answer (15 MiB of audio in base64), so that an
-            # oversized append gets an `error` event rather than a dropped connection.
-            ws_max_size=2 * MAX_EVENT_BYTES,
+            # append somewhat over it gets an `error` event rather than a dropped connection; not
+            # far above, since each connection may hold a frame this large while it arrives.
+            ws_max_size=MAX_EVENT_BYTES + (1 << 20),
         )
     )
     redact_keys_in_logs()  # uvicorn.Config has set logging up
