@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests accepted but not yet producing text; past this, 429 with Retry-After")
     http.add_argument("--upload-idle-timeout-s", type=float, default=30.0,
                       help="an upload that sends nothing for this long gets 408")
+    http.add_argument("--upload-min-rate-kb-s", type=float, default=16.0,
+                      help="an upload that brings less than this many kB a second over any --upload-idle-timeout-s "
+                      "gets 408 (a trickle held its slot for as long as it liked); 0: no floor")
     http.add_argument("--engine-stall-timeout-s", type=float, default=300.0,
                       help="an engine holding requests that reports nothing for this long (a hung step: "
                       "steps report every few seconds at most) turns /health to 503; 0: never")
@@ -242,7 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
             preprocess_workers=args.preprocess_workers, max_audio_filesize_mb=args.max_audio_filesize_mb,
             max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
             max_audio_in_flight_s=args.max_audio_in_flight_s,
-            upload_idle_timeout_s=args.upload_idle_timeout_s,
+            upload_idle_timeout_s=args.upload_idle_timeout_s, upload_min_rate_kb_s=args.upload_min_rate_kb_s,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
             engine_stall_timeout_s=args.engine_stall_timeout_s,
             access_log=args.access_log, chunking_strategy=parse_chunking_strategy(args.chunking_strategy),

@@ -224,6 +224,10 @@ class ServerConfig:
     graceful_shutdown_timeout_s: float = 30.0
     # An upload that sends nothing for this long is refused with 408 (and frees its slot).
     upload_idle_timeout_s: float = 30.0
+    # ... and one that brings less than this in any such span, too (kB/s; 0: no floor). A
+    # buffering proxy in front sends bodies at full speed, and a client on a slow link
+    # (16 kB/s is 128 kbit/s) is refused rather than hold a slot for minutes.
+    upload_min_rate_kb_s: float = 16.0
     # How audio over 30 s is cut for requests that send no chunking_strategy: an
     # asrserve.audio.chunking.ChunkingStrategy; None: asrserve.audio.chunking.DEFAULT_CHUNKING.
     chunking_strategy: object | None = None
@@ -270,13 +274,14 @@ class ServerConfig:
             raise ValueError("realtime_interim_interval_s must be >= 0")
         if self.realtime_pause_ms <= 0:
             raise ValueError("realtime_pause_ms must be positive")
-        if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0:
-            raise ValueError("graceful_shutdown_timeout_s must be >= 0 and upload_idle_timeout_s positive")
+        if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0 or self.upload_min_rate_kb_s < 0:
+            raise ValueError("graceful_shutdown_timeout_s and upload_min_rate_kb_s must be >= 0 and "
+                             "upload_idle_timeout_s positive")
 
 
 _SERVER_SECONDS_AND_SIZES = (
     "max_audio_filesize_mb", "max_audio_duration_s", "max_audio_in_flight_s", "engine_death_grace_s",
     "engine_stall_timeout_s",
-    "graceful_shutdown_timeout_s", "upload_idle_timeout_s", "realtime_idle_timeout_s", "realtime_max_buffer_s",
-    "realtime_interim_interval_s", "realtime_pause_ms",
+    "graceful_shutdown_timeout_s", "upload_idle_timeout_s", "upload_min_rate_kb_s", "realtime_idle_timeout_s",
+    "realtime_max_buffer_s", "realtime_interim_interval_s", "realtime_pause_ms",
 )

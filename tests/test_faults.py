@@ -119,6 +119,33 @@ def test_a_stalled_upload_gets_408_and_frees_its_slot(server, speech_files):
     assert _transcribe(server, speech_files[1]).status_code == 200
 
 
+def test_an_upload_that_trickles_gets_408_and_frees_its_slot(server, speech_files):
+    """A byte every 0.1 s never stalls for the idle timeout (1 s here): 128 such uploads held
+    every waiting slot for as long as they liked, and every other client got 429. Under
+    --upload-min-rate-kb-s (16) over an idle timeout's span, an upload gets 408."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each byte goes out as it is sent
+        sock.sendall(_multipart_head(1_000_000) + b"R" * 100_000)  # a fast start buys no time
+        started = time.monotonic()
+        sock.setblocking(False)
+        reply = b""
+        while not reply and time.monotonic() - started < 10:
+            try:
+                sock.send(b"x")
+            except OSError:  # the server answered and closed
+                pass
+            try:
+                reply = sock.recv(65536)
+            except BlockingIOError:
+                pass
+            time.sleep(0.1)
+        waited = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 408") and b"too slow" in reply, reply[:300]
+    assert waited < 5
+    _engine_idle(server)
+    assert _transcribe(server, speech_files[1]).status_code == 200
+
+
 def test_a_client_leaving_mid_stream_frees_the_engine(server, minute_of_speech, speech_files):
     before = server.metrics()
     aborted_before = before["asrserve_engine_requests_aborted_total"]

@@ -4,6 +4,7 @@ passes the size limit: an oversized upload is never held in memory, nor spooled 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import MultipartParseError
@@ -30,10 +31,14 @@ class ClientGone(Exception):
 
 
 async def read_form(
-    request: Request, max_file_bytes: int, idle_timeout_s: float | None = None, file_field: str = "file"
+    request: Request, max_file_bytes: int, idle_timeout_s: float | None = None, file_field: str = "file",
+    min_rate_bytes_s: float = 0.0,
 ) -> UploadedForm:
     """The form, its file read whole; idle_timeout_s: the longest wait for the next chunk
-    (an upload that stalls gets 408 instead of holding its slot and its bytes forever)."""
+    (an upload that stalls gets 408 instead of holding its slot and its bytes forever);
+    min_rate_bytes_s: the least an upload must bring in each idle_timeout_s (one that trickles
+    a byte at a time gets 408 too: 128 of them held every waiting slot, and every other client
+    got 429)."""
     content_type, options = parse_options_header(request.headers.get("content-type"))
     if content_type != b"multipart/form-data" or b"boundary" not in options:
         raise APIError(400, "the request body must be multipart/form-data with a file field", param=file_field)
@@ -104,7 +109,7 @@ async def read_form(
     )
     received = 0
     try:
-        async for chunk in _chunks(request, idle_timeout_s):
+        async for chunk in _chunks(request, idle_timeout_s, min_rate_bytes_s):
             received += len(chunk)
             if received > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large
@@ -120,11 +125,14 @@ async def read_form(
     return form
 
 
-async def _chunks(request: Request, idle_timeout_s: float | None):
+async def _chunks(request: Request, idle_timeout_s: float | None, min_rate_bytes_s: float = 0.0):
     chunks = request.stream().__aiter__()
+    # The rate is checked over windows of idle_timeout_s, not since the start: a fast start
+    # followed by a trickle does not buy minutes.
+    window_start, window_bytes = time.monotonic(), 0
     while True:
         try:
-            yield await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
+            chunk = await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -132,6 +140,17 @@ async def _chunks(request: Request, idle_timeout_s: float | None):
                 408, f"the upload stalled: nothing arrived for {idle_timeout_s:g} s", code="upload_timeout",
                 headers={"Connection": "close"},
             ) from None
+        window_bytes += len(chunk)
+        elapsed = time.monotonic() - window_start
+        if min_rate_bytes_s and idle_timeout_s and elapsed >= idle_timeout_s:
+            if window_bytes < min_rate_bytes_s * elapsed:
+                raise APIError(
+                    408, f"the upload is too slow: {window_bytes / elapsed / 1000:.1f} kB/s over {elapsed:.0f} s, "
+                    f"under the server's {min_rate_bytes_s / 1000:g} kB/s", code="upload_timeout",
+                    headers={"Connection": "close"},
+                )
+            window_start, window_bytes = time.monotonic(), 0
+        yield chunk
 
 
 class _Part:
