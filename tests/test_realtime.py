@@ -388,9 +388,10 @@ def test_a_session_that_commits_in_a_loop_waits_for_its_own_transcripts(server):
 
 
 def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(server):
-    """A client that sends events and never reads the answers filled the buffers: the server's
-    sends waited for room for ever, neither the idle timeout nor the keepalive ended the
-    session, and such clients held every slot of --realtime-max-sessions."""
+    """A client that sends events and never reads the answers fills the buffers between them;
+    its session must still end by the idle timeout, or such clients hold every slot of
+    --realtime-max-sessions (an audit saw one held past 195 s at the 120 s default; here the
+    session ended by the idle timeout before the send timeout too, so this guards the bound)."""
     before = server.metrics()["asrserve_realtime_sessions"]
     hog = socket.create_connection(("127.0.0.1", server.port))
     hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
