@@ -184,6 +184,17 @@ def test_text_left_open_over_seconds_of_speech_is_decoded_again(tiny_en_engine):
     kept = _piece(tokenizer, [sentence], duration=12.98)
     assert plan_continuation(tokenizer, kept, quiet, depth=0, user_prompt=None, timestamps=True) is None
     assert kept.token_ids == before
+    # Nor when the open sentence starts later and silence follows its words (it is their sound
+    # that comes after where it starts): the piece keeps its last sentence.
+    late = _loud()
+    late[22 * SAMPLE_RATE :] = 0  # its words end by 22 s
+    closing = _piece(tokenizer, [0.0, " It began at dawn.", 2.0, 20.0, " Thank you."])
+    assert plan_continuation(tokenizer, closing, late, depth=0, user_prompt=None, timestamps=True) is None
+    assert tokenizer.decode(closing.token_ids).strip() == "It began at dawn. Thank you."
+    # A lone timestamp left open has no words to keep (it raised IndexError: a 500).
+    for lone in ([0.0], [0.5], [0.0, " Hi.", 0.5, 0.5]):
+        piece = _piece(tokenizer, lone, duration=20.0)
+        plan_continuation(tokenizer, piece, _loud(20.0), depth=0, user_prompt=None, timestamps=True)
 
 
 def test_continuation_times_are_absolute(tiny_en_engine):
@@ -429,6 +440,12 @@ def test_words_a_continuation_repeats_from_its_parent_are_dropped(tiny_en_engine
     again.is_continuation = True
     drop_repeated_words(tokenizer, [looped, again])
     assert tokenizer.decode(again.token_ids).strip() == (sentence * 2).strip()
+    # A last segment of a few words ("Thank you.") may be re-read whole.
+    thanks = _piece(tokenizer, [0.0, " It began at dawn.", 3.0, 3.0, " Thank you.", 5.0])
+    reread = _piece(tokenizer, [0.0, " Thank you. Goodbye.", 2.0], duration=25.0)
+    reread.is_continuation = True
+    drop_repeated_words(tokenizer, [thanks, reread])
+    assert tokenizer.decode(reread.token_ids).strip() == "Goodbye."
 
 
 def test_streamed_long_audio_sends_each_segment_once(tiny_en_engine, speech_audio):

@@ -99,6 +99,10 @@ def plan_continuation(
     sound = first_sound(samples[seek_sample:], samples)  # samples past the seek point
     if reason in ("early_stop", "implausible_open") and sound is None:
         return None
+    if reason == "implausible_open":  # sound after where its words would plausibly end, not theirs
+        said = round((open_text.start_s + 1.0 + open_text.num_text * SECONDS_PER_TOKEN) * SAMPLE_RATE)
+        if first_sound(samples[said:], samples) is None:
+            return None  # a last sentence, then silence: kept as it is
     start_sample = _past_the_pause(seek_sample, sound)
     del piece.token_ids[keep:]
     del piece.logprobs[keep:]
@@ -195,7 +199,7 @@ def _seek_point(
             seek_s = round((segment.start_s + 1.0 + segment.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
             return seek_s, segment.end_index, "implausible_segment", seek_s
     last = open_text if piece.finish_reason == "stop" else None
-    if last is not None and _implausible(last):
+    if last is not None and last.num_text and _implausible(last):  # (a lone timestamp has no words to keep)
         # Text left open by <|endoftext|> runs to the piece's end: a sentence, then seconds of
         # speech under no text (a piece's language changing there: the speech skipped).
         if last.start_s >= MIN_PROGRESS_S:
@@ -218,24 +222,26 @@ def _seek_point(
 
 MAX_REPEATED_WORDS = 40  # the longest overlap looked for between a piece and its continuation
 MIN_REPEATED_WORDS = 2  # one repeated word may well have been said twice
+SHORT_SEGMENT_WORDS = 3  # a last segment this short may be re-read whole
 
 
 def drop_repeated_words(tokenizer: WhisperTokenizer, pieces: list[PieceResult]) -> None:
     """A continuation starts at its parent's last timestamp, which Whisper may place before the
     parent's last words end: the continuation then writes them again. Drops the words a
     continuation opens with that its parent's text ends with (at least two in a row), and
-    fewer than the parent's last segment holds: a timestamp early by a moment re-reads the end
-    of that segment, never all of it. (A sentence said again, as a loop's continuation follows
-    the copies its parent kept, was dropped whole, and the copies after it with it.)"""
+    fewer than the parent's last segment holds, unless it is a few words: a timestamp early by
+    a moment re-reads the end of that segment, not a whole sentence. (A sentence said again, as
+    a loop's continuation follows the copies its parent kept, was dropped whole, and the copies
+    after it with it.)"""
     eot = tokenizer.special.eot
     for previous, piece in zip(pieces, pieces[1:]):
         if not piece.is_continuation or previous.is_silence or piece.is_silence:
             continue
         segments, _ = _segments(tokenizer, previous.token_ids)
         limit = MAX_REPEATED_WORDS
-        if segments:
-            last = previous.token_ids[segments[-1].first_index : segments[-1].end_index]
-            limit = min(limit, len(_normalized_words(tokenizer.decode(last))) - 1)
+        if segments:  # (a segment of a few words, "Thank you.", may be re-read whole)
+            last = len(_normalized_words(tokenizer.decode(previous.token_ids[segments[-1].first_index :])))
+            limit = min(limit, last - 1 if last > SHORT_SEGMENT_WORDS else last)
         before = _normalized_words(tokenizer.decode(previous.token_ids))[-limit:] if limit > 0 else []
         text_tokens = [token for token in piece.token_ids if token < eot]
         after = _normalized_words(tokenizer.decode(text_tokens))
