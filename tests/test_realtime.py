@@ -388,25 +388,26 @@ def test_a_session_that_commits_in_a_loop_waits_for_its_own_transcripts(server):
 
 
 def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(server):
-    """A client that sends events and never reads the answers fills the buffers between them;
-    its session must still end by the idle timeout, or such clients hold every slot of
-    --realtime-max-sessions (an audit saw one held past 195 s at the 120 s default; here the
-    session ended by the idle timeout before the send timeout too, so this guards the bound)."""
+    """A client that sends events and never reads the answers (each echoes the event's 1 MB
+    event_id) fills every buffer between them: the server's sends wait for room that never
+    comes. Its session must still end by the idle timeout, or such clients hold every slot of
+    --realtime-max-sessions."""
     before = server.metrics()["asrserve_realtime_sessions"]
     hog = socket.create_connection(("127.0.0.1", server.port))
     hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     hog.sendall((f"GET /v1/realtime?intent=transcription HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
                  f"Connection: Upgrade\r\nAuthorization: Bearer {API_KEY}\r\nSec-WebSocket-Version: 13\r\n"
                  "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n").encode())
-    event = json.dumps({"type": "no.such.event", "event_id": "e" * 400}).encode()
-    frame = bytes([0x81, 0x80 | 126]) + len(event).to_bytes(2, "big") + bytes(4) + event  # masked with zeros
+    event = json.dumps({"type": "no.such.event", "event_id": "e" * 1_000_000}).encode()
+    frame = bytes([0x81, 0x80 | 127]) + len(event).to_bytes(8, "big") + bytes(4) + event  # masked with zeros
     hog.setblocking(False)
     started = blocked_since = time.monotonic()
+    pending = frame * 40
     try:
         # until the server stops reading (its answers unread fill every buffer between us)
-        while time.monotonic() - blocked_since < 3 and time.monotonic() - started < 60:
+        while pending and time.monotonic() - blocked_since < 3 and time.monotonic() - started < 60:
             try:
-                hog.send(frame * 64)
+                pending = pending[hog.send(pending):]
                 blocked_since = time.monotonic()
             except BlockingIOError:
                 time.sleep(0.1)

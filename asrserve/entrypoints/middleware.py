@@ -13,6 +13,8 @@ from asrserve.entrypoints.metrics import ServerMetrics
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client left first"; logged, never sent
 # Set in the ASGI scope by a response the client left mid-body (its status went out as 200).
 CLIENT_CLOSED_SCOPE_KEY = "asrserve.client_closed"
+# A WebSocket's ASGI send as the server gave it (serving_realtime._abort reaches the transport).
+RAW_SEND_SCOPE_KEY = "asrserve.raw_send"
 
 ENDPOINTS = {
     "/v1/audio/transcriptions": "transcriptions",
@@ -48,6 +50,8 @@ class MetricsMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                scope[RAW_SEND_SCOPE_KEY] = send  # (the middlewares outside this one pass it on as is)
             await self.app(scope, receive, send)
             return
         path = scope["path"]

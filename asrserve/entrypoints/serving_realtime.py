@@ -26,6 +26,7 @@ from asrserve.entrypoints.auth import authorize, is_allowed_key
 from asrserve.entrypoints.live_shutdown import (
     CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, LiveConnection, drain_sessions, shutting_down,
 )
+from asrserve.entrypoints.middleware import RAW_SEND_SCOPE_KEY
 from asrserve.entrypoints.protocol import APIError
 from asrserve.entrypoints.realtime_protocol import (
     LONE_SURROGATE_ESCAPE, RealtimeError, SessionConfig, is_text, new_id, server_event,
@@ -185,12 +186,12 @@ async def _send(websocket: WebSocket, event: dict[str, Any]) -> None:
 
 
 def _abort(websocket: WebSocket) -> None:
-    """Drops the connection without a closing handshake. A close waits to flush what the client
-    has not read, and a client that reads nothing never lets it: its session (and its slot
-    under --realtime-max-sessions) stayed for ever. uvicorn's protocols (the ASGI send's owner)
-    hold the transport."""
-    transport = getattr(getattr(websocket._send, "__self__", None), "transport", None)
-    if transport is not None:
+    """Drops the connection without a closing handshake, which waits to flush what a client that
+    reads nothing never reads. The transport is uvicorn's protocol's, the owner of the ASGI send."""
+    transport = getattr(getattr(websocket.scope.get(RAW_SEND_SCOPE_KEY), "__self__", None), "transport", None)
+    if transport is None:
+        logger.warning("realtime: no transport to drop the connection of a client that reads nothing")
+    else:
         transport.abort()
 
 
@@ -222,7 +223,9 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 return
             closed = True
             try:
-                await websocket.close(code, reason)
+                await asyncio.wait_for(websocket.close(code, reason), idle_timeout)  # as a send
+            except asyncio.TimeoutError:
+                _abort(websocket)
             except (RuntimeError, OSError):
                 pass
 
@@ -252,14 +255,15 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                     continue
                 await send(RealtimeError(f"no event for {idle_timeout:g} s: the session is closed",
                                          code="idle_timeout").event(None))
-                await websocket.close(1000, "idle timeout")
+                await close(1000, "idle timeout")
                 return
             if message["type"] == "websocket.disconnect":
                 return
             event_id = None
             try:
                 event, event_id = _parse(message)
-                if realtime.draining:
+                await session.tasks.room()  # (backpressure: the client's events wait in its socket)
+                if realtime.draining:  # (also where it began while this event waited for room)
                     if event.get("type") == "input_audio_buffer.append":
                         continue  # audio after the turn the shutdown ended
                     raise shutting_down()
@@ -267,7 +271,6 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                     _check_session(event, state)
                     if vad_error is not None and session.config.updated(event.get("session")).turn_detection:
                         raise _vad_unavailable(vad_error)
-                await session.tasks.room()  # (backpressure: the client's events wait in its socket)
                 async with connection.handling:
                     await session.handle(event)
             except RealtimeError as error:
