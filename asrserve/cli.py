@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "words with --word-timestamps); srt and vtt: subtitles",
     )
     transcribe.add_argument("--output-dir", "-o", default=None, metavar="DIR",
-                            help="write each file's result to DIR/<stem>.txt|json|srt|vtt instead of stdout (the whole file "
-                            "name where two files share a stem)")
+                            help="write each file's result to DIR/<stem>.txt|json|srt|vtt instead of stdout "
+                            "(the whole file name where two files share a stem)")
     transcribe.add_argument("--word-timestamps", action="store_true",
                             help="time every word (verbose_json shows them)")
     transcribe.add_argument("--prompt", default=None,
@@ -122,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests accepted but not yet producing text; past this, 429 with Retry-After")
     http.add_argument("--upload-idle-timeout-s", type=float, default=30.0,
                       help="an upload that sends nothing for this long gets 408")
-    http.add_argument("--upload-min-rate-kb-s", type=float, default=16.0,
-                      help="an upload that brings less than this many kB a second over any --upload-idle-timeout-s "
-                      "gets 408 (a trickle held its slot for as long as it liked); 0: no floor")
+    http.add_argument("--upload-min-rate-kb-s", type=float, default=8.0,
+                      help="an upload that brings less than this many kB a second over a span of "
+                      "--upload-idle-timeout-s gets 408 (a trickle held its slot for as long as it liked); 0: no floor")
     http.add_argument("--engine-stall-timeout-s", type=float, default=300.0,
                       help="an engine holding requests that reports nothing for this long (a hung step: "
                       "steps report every few seconds at most) turns /health to 503; 0: never")

@@ -224,10 +224,10 @@ class ServerConfig:
     graceful_shutdown_timeout_s: float = 30.0
     # An upload that sends nothing for this long is refused with 408 (and frees its slot).
     upload_idle_timeout_s: float = 30.0
-    # ... and one that brings less than this in any such span, too (kB/s; 0: no floor). A
-    # buffering proxy in front sends bodies at full speed, and a client on a slow link
-    # (16 kB/s is 128 kbit/s) is refused rather than hold a slot for minutes.
-    upload_min_rate_kb_s: float = 16.0
+    # ... and one that brings less than this in each such span, too (kB/s; 0: no floor). A
+    # buffering proxy in front sends bodies at full speed; 8 kB/s is 64 kbit/s, slower than
+    # mobile uplinks (a floor stops trickles of bytes, not clients that pay for bandwidth).
+    upload_min_rate_kb_s: float = 8.0
     # How audio over 30 s is cut for requests that send no chunking_strategy: an
     # asrserve.audio.chunking.ChunkingStrategy; None: asrserve.audio.chunking.DEFAULT_CHUNKING.
     chunking_strategy: object | None = None

@@ -122,7 +122,7 @@ def test_a_stalled_upload_gets_408_and_frees_its_slot(server, speech_files):
 def test_an_upload_that_trickles_gets_408_and_frees_its_slot(server, speech_files):
     """A byte every 0.1 s never stalls for the idle timeout (1 s here): 128 such uploads held
     every waiting slot for as long as they liked, and every other client got 429. Under
-    --upload-min-rate-kb-s (16) over an idle timeout's span, an upload gets 408."""
+    --upload-min-rate-kb-s (8) over an idle timeout's span, an upload gets 408."""
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each byte goes out as it is sent
         sock.sendall(_multipart_head(1_000_000) + b"R" * 100_000)  # a fast start buys no time

@@ -276,7 +276,7 @@ async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: Tra
                 event["logprobs"] = _logprob_entries(state, job.shown_logprobs[sent:])
                 sent = len(job.shown_logprobs)
             yield _sse(event)
-        # Each decode reads a window's 1500 audio positions and the prompt's tokens (at most 223).
+        # Each decode reads a window's 1500 audio positions and a prompt (the request's, at most 223 tokens).
         prompt_tokens = state.tokenizer.num_prompt_tokens(job_params.request.prompt)
         usage = usage_tokens(job.num_decodes_shown * 1500, job.num_decodes_shown * prompt_tokens, job.num_output_tokens)
         done = {"type": "transcript.text.done", "text": job.text, "usage": usage}

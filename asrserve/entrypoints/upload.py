@@ -36,7 +36,7 @@ async def read_form(
 ) -> UploadedForm:
     """The form, its file read whole; idle_timeout_s: the longest wait for the next chunk
     (an upload that stalls gets 408 instead of holding its slot and its bytes forever);
-    min_rate_bytes_s: the least an upload must bring in each idle_timeout_s (one that trickles
+    min_rate_bytes_s: the least an upload must bring in a second over each idle_timeout_s (one that trickles
     a byte at a time gets 408 too: 128 of them held every waiting slot, and every other client
     got 429)."""
     content_type, options = parse_options_header(request.headers.get("content-type"))
