@@ -26,7 +26,7 @@ from asrserve.entrypoints.auth import authorize, is_allowed_key
 from asrserve.entrypoints.live_shutdown import (
     CLOSE_SERVICE_RESTART, SHUTDOWN_REASON, LiveConnection, drain_sessions, shutting_down,
 )
-from asrserve.entrypoints.middleware import RAW_SEND_SCOPE_KEY
+from asrserve.entrypoints.live_socket import SendTimeout, send_event, within
 from asrserve.entrypoints.protocol import APIError
 from asrserve.entrypoints.realtime_protocol import (
     LONE_SURROGATE_ESCAPE, RealtimeError, SessionConfig, is_text, new_id, server_event,
@@ -185,16 +185,6 @@ async def _send(websocket: WebSocket, event: dict[str, Any]) -> None:
     await websocket.send_text(json.dumps(event, ensure_ascii=False))
 
 
-def _abort(websocket: WebSocket) -> None:
-    """Drops the connection without a closing handshake, which waits to flush what a client that
-    reads nothing never reads. The transport is uvicorn's protocol's, the owner of the ASGI send."""
-    transport = getattr(getattr(websocket.scope.get(RAW_SEND_SCOPE_KEY), "__self__", None), "transport", None)
-    if transport is None:
-        logger.warning("realtime: no transport to drop the connection of a client that reads nothing")
-    else:
-        transport.abort()
-
-
 async def _run_session(websocket: WebSocket, state: ServerState, realtime: RealtimeState) -> None:
     send_lock = asyncio.Lock()
     closed = False
@@ -208,11 +198,10 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             try:
                 # A client that has not read for the idle timeout is gone as much as one that
                 # sends nothing (its unread events fill the buffers; the send waits for room).
-                await asyncio.wait_for(_send(websocket, event), idle_timeout)
-            except asyncio.TimeoutError:
+                await send_event(websocket, event, idle_timeout)
+            except SendTimeout:  # dropped: the receive loop sees the disconnect and ends the session
                 closed = True
                 logger.info("realtime session %s: the client read nothing for %g s; dropped", session_id, idle_timeout)
-                _abort(websocket)  # the receive loop sees the disconnect and ends the session
             except (WebSocketDisconnect, RuntimeError, OSError):
                 closed = True  # the receive loop sees the disconnect and ends the session
 
@@ -223,10 +212,8 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 return
             closed = True
             try:
-                await asyncio.wait_for(websocket.close(code, reason), idle_timeout)  # as a send
-            except asyncio.TimeoutError:
-                _abort(websocket)
-            except (RuntimeError, OSError):
+                await within(websocket, websocket.close(code, reason), idle_timeout)  # as a send
+            except (SendTimeout, RuntimeError, OSError):
                 pass
 
     session_id = new_id("sess")
