@@ -13,7 +13,7 @@ from asrserve.entrypoints.metrics import ServerMetrics
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client left first"; logged, never sent
 # Set in the ASGI scope by a response the client left mid-body (its status went out as 200).
 CLIENT_CLOSED_SCOPE_KEY = "asrserve.client_closed"
-# A WebSocket's ASGI send as the server gave it (serving_realtime._abort reaches the transport).
+# A WebSocket's ASGI send as the server gave it (live_socket.abort reaches the transport through it).
 RAW_SEND_SCOPE_KEY = "asrserve.raw_send"
 
 ENDPOINTS = {

@@ -64,8 +64,8 @@ class RealtimeSession:
         handler = {"session.update": self._update, "input_audio_buffer.append": self._append,
                    "input_audio_buffer.commit": self._commit, "input_audio_buffer.clear": self._clear}.get(kind)
         if handler is None:
-            raise RealtimeError(f"unknown or unsupported event type {shown(kind)} in a transcription session", param="type",
-                                code="unknown_event_type")
+            raise RealtimeError(f"unknown or unsupported event type {shown(kind)} in a transcription session",
+                                param="type", code="unknown_event_type")
         await handler(event)
 
     async def _update(self, event: dict[str, Any]) -> None:

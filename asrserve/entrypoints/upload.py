@@ -36,9 +36,9 @@ async def read_form(
 ) -> UploadedForm:
     """The form, its file read whole; idle_timeout_s: the longest wait for the next chunk
     (an upload that stalls gets 408 instead of holding its slot and its bytes forever);
-    min_rate_bytes_s: the least an upload must bring in a second over each idle_timeout_s (one that trickles
-    a byte at a time gets 408 too: 128 of them held every waiting slot, and every other client
-    got 429)."""
+    min_rate_bytes_s: the least an upload must bring a second, over each idle_timeout_s (one
+    that trickles a byte at a time gets 408 too: 128 of them held every waiting slot, and every
+    other client got 429)."""
     content_type, options = parse_options_header(request.headers.get("content-type"))
     if content_type != b"multipart/form-data" or b"boundary" not in options:
         raise APIError(400, "the request body must be multipart/form-data with a file field", param=file_field)
