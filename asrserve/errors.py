@@ -6,11 +6,17 @@ from typing import Any
 from asrserve.audio.decode import AudioError
 
 
+def cut(text: str, limit: int = 40) -> str:
+    """A user's text cut short for a message: messages name the problem, they do not echo
+    kilobytes of input back."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def shown(value: Any, limit: int = 40) -> str:
-    """A user's value quoted for an error message, cut short: messages name the problem, they
-    do not echo kilobytes of input back (nor a JSON value nested thousands deep)."""
+    """A user's value quoted for an error message, cut short (cut), nor a JSON value nested
+    thousands deep written out whole."""
     if isinstance(value, str):
-        return repr(value if len(value) <= limit else value[:limit] + "...")
+        return repr(cut(value, limit))
     short = reprlib.Repr()  # (its settings are not constructor arguments before Python 3.12)
     short.maxlevel, short.maxlist, short.maxdict = 2, 4, 4
     short.maxstring = short.maxother = short.maxlong = limit

@@ -100,7 +100,7 @@ def plan_continuation(
     if reason in ("early_stop", "implausible_open") and sound is None:
         return None
     if reason == "implausible_open":  # sound after where its words would plausibly end, not theirs
-        said = round((open_text.start_s + 1.0 + open_text.num_text * SECONDS_PER_TOKEN) * SAMPLE_RATE)
+        said = round(_plausible_end(open_text) * SAMPLE_RATE)
         if first_sound(samples[said:], samples) is None:
             return None  # a last sentence, then silence: kept as it is
     start_sample = _past_the_pause(seek_sample, sound)
@@ -153,6 +153,11 @@ def settled_length(tokenizer: WhisperTokenizer, token_ids: list[int]) -> int:
     return settled
 
 
+def _plausible_end(segment: _Segment) -> float:
+    """Where a segment's words would end, said at a generous pace (on the 0.02 s timestamp grid)."""
+    return round((segment.start_s + 1.0 + segment.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
+
+
 def _implausible(segment: _Segment) -> bool:
     duration = segment.end_s - segment.start_s
     return duration >= IMPLAUSIBLE_SEGMENT_S and segment.num_text / duration < IMPLAUSIBLE_TOKENS_PER_S
@@ -190,22 +195,19 @@ def _seek_point(
     piece: PieceResult, segments: list[_Segment], open_text: _Segment | None
 ) -> tuple[float, int, str, float | None] | None:
     """(seek seconds, tokens to keep, reason, new closing time of the last kept segment or None)."""
-    for segment in segments:
+    # Text left open by <|endoftext|> runs to the piece's end: implausible too where it is a
+    # sentence, then seconds of speech under no text (a piece's language changing there: the
+    # speech skipped). (A lone timestamp has no words to keep.)
+    left_open = [open_text] if open_text is not None and open_text.num_text and piece.finish_reason == "stop" else []
+    for segment in (*segments, *left_open):
         if _implausible(segment):
+            reason = "implausible_open" if segment is open_text else "implausible_segment"
             if segment.start_s >= MIN_PROGRESS_S:  # decode again from where it begins
-                return segment.start_s, segment.first_index, "implausible_segment", None
+                return segment.start_s, segment.first_index, reason, None
             # It opens the piece: decoding from the same place would read the same window, so
             # keep its words, give them a plausible span and decode the rest after it.
-            seek_s = round((segment.start_s + 1.0 + segment.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
-            return seek_s, segment.end_index, "implausible_segment", seek_s
-    last = open_text if piece.finish_reason == "stop" else None
-    if last is not None and last.num_text and _implausible(last):  # (a lone timestamp has no words to keep)
-        # Text left open by <|endoftext|> runs to the piece's end: a sentence, then seconds of
-        # speech under no text (a piece's language changing there: the speech skipped).
-        if last.start_s >= MIN_PROGRESS_S:
-            return last.start_s, last.first_index, "implausible_open", None
-        seek_s = round((last.start_s + 1.0 + last.num_text * SECONDS_PER_TOKEN) / 0.02) * 0.02
-        return seek_s, last.end_index, "implausible_open", seek_s
+            seek_s = _plausible_end(segment)
+            return seek_s, segment.end_index, reason, seek_s
     if not segments:
         return None
     last_end, keep = segments[-1].end_s, segments[-1].end_index

@@ -20,7 +20,7 @@ import numpy as np
 from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
-from asrserve.errors import shown
+from asrserve.errors import cut, shown
 
 # OpenAI's server_vad defaults (realtime_transcription_session_audio_input_turn_detection.py).
 VAD_PREFIX_PADDING_MS = 300
@@ -152,7 +152,7 @@ def _is_integer(value: Any) -> bool:
 def _no_unknown(value: dict[str, Any], known: tuple[str, ...], param: str) -> None:
     for name in value:
         if name not in known:
-            name = name if len(name) <= 40 else name[:40] + "..."  # not kilobytes of a key, twice
+            name = cut(name)  # not kilobytes of a key, twice
             raise RealtimeError(f"unknown field {param}.{name} for a transcription session", param=f"{param}.{name}")
 
 

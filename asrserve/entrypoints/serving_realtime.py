@@ -120,11 +120,15 @@ def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
             return
         await websocket.accept(subprotocol=subprotocol)
         if realtime.num_sessions >= state.config.realtime_max_sessions:
-            await _send(websocket, RealtimeError(
-                f"this server holds {state.config.realtime_max_sessions} live sessions at most; retry shortly",
-                type="server_error", code="session_limit_reached",
-            ).event(None))
-            await websocket.close(CLOSE_TRY_AGAIN_LATER, "too many sessions")
+            try:  # (within the idle timeout, as a session's own sends)
+                await send_event(websocket, RealtimeError(
+                    f"this server holds {state.config.realtime_max_sessions} live sessions at most; retry shortly",
+                    type="server_error", code="session_limit_reached",
+                ).event(None), state.config.realtime_idle_timeout_s)
+                await within(websocket, websocket.close(CLOSE_TRY_AGAIN_LATER, "too many sessions"),
+                             state.config.realtime_idle_timeout_s)
+            except SendTimeout:
+                pass
             return
         realtime.num_sessions += 1
         state.metrics.realtime_sessions.inc()
@@ -179,10 +183,6 @@ async def _deny(websocket: WebSocket, error: APIError) -> None:
         )
     except RuntimeError:
         await websocket.close(CLOSE_POLICY, error.message[:120])
-
-
-async def _send(websocket: WebSocket, event: dict[str, Any]) -> None:
-    await websocket.send_text(json.dumps(event, ensure_ascii=False))
 
 
 async def _run_session(websocket: WebSocket, state: ServerState, realtime: RealtimeState) -> None:
