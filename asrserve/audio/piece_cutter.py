@@ -12,13 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 from asrserve.audio.chunking import AudioPiece, ChunkingStrategy, QuietPointCut
-from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+from asrserve.audio.vad_regions import CUT_LOOKBACK_MS, WINDOW, RegionFinder, piece_spans
 from asrserve.config import N_SAMPLES
 
 SPANS_LEFT_OPEN = 2  # a prefix's last two VAD pieces may still change (vad_regions.piece_spans)
 # A VAD piece also ends before a pause at least this long (None: pieces fill up to 30 s).
 # Measured in benchmarks/vad_cut_choices.py, which sets it; not a default.
 MAX_GAP_MS: float | None = None
+# A full VAD piece ends at the longest pause in its last this many ms (None: at its last pause).
+LOOKBACK_MS: float | None = CUT_LOOKBACK_MS
 
 
 class PieceCutter:
@@ -82,7 +84,7 @@ class _IncrementalVad:
         self.padding_ms = vad.DEFAULT_PREFIX_PADDING_MS if strategy.prefix_padding_ms is None else strategy.prefix_padding_ms
         self.block_windows = vad.BLOCK_WINDOWS
         self.finder = RegionFinder(threshold, silence_ms, vad.DEFAULT_MIN_SPEECH_MS)
-        self.max_gap_ms = MAX_GAP_MS
+        self.max_gap_ms, self.lookback_ms = MAX_GAP_MS, LOOKBACK_MS
         self.blocks: list[np.ndarray] = []
         self.lstm_state = None
 
@@ -103,4 +105,5 @@ class _IncrementalVad:
         probs = np.concatenate(self.blocks) if self.blocks else np.zeros(0, np.float32)
         end = len(samples) if final else done * WINDOW
         raw = self.finder.regions + self.finder.open_region(end)
-        return piece_spans(raw, probs, samples, end, self.padding_ms, max_gap_ms=self.max_gap_ms)
+        return piece_spans(raw, probs, samples, end, self.padding_ms, max_gap_ms=self.max_gap_ms,
+                           lookback_ms=self.lookback_ms)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from asrserve.audio.chunking import AudioPiece
-from asrserve.audio.vad_regions import WINDOW, pad_regions, piece_spans, raw_regions
+from asrserve.audio.vad_regions import CUT_LOOKBACK_MS, WINDOW, pad_regions, piece_spans, raw_regions
 from asrserve.config import N_SAMPLES
 
 CONTEXT = 64  # samples of the previous window each window also sees
@@ -270,15 +270,17 @@ def vad_pieces(
     *,
     probs: np.ndarray | None = None,
     max_gap_ms: float | None = None,
+    lookback_ms: float | None = CUT_LOOKBACK_MS,
 ) -> list[AudioPiece]:
     """The speech in 16 kHz mono `samples` as pieces of at most `max_samples`, in order, not
     overlapping, cut only between speech regions (or, inside a region longer than that, at its
     lowest-probability point). Audio between pieces is not speech and is left out; no speech
     at all gives []. Parameters are those of OpenAI's server_vad chunking strategy; max_gap_ms
     (None: no limit; measured in benchmarks/vad_cut_choices.py, not a default) also ends a
-    piece before a pause at least that long."""
+    piece before a pause at least that long. A piece the next speech would overfill ends at the
+    longest pause in its last lookback_ms (None: at its last pause)."""
     samples = np.asarray(samples, dtype=np.float32)
     probs = speech_probabilities(samples) if probs is None else np.asarray(probs)
     raw = raw_regions(probs, len(samples), threshold, silence_duration_ms, min_speech_ms)
-    spans = piece_spans(raw, probs, samples, len(samples), prefix_padding_ms, max_samples, max_gap_ms)
+    spans = piece_spans(raw, probs, samples, len(samples), prefix_padding_ms, max_samples, max_gap_ms, lookback_ms)
     return [AudioPiece(start, samples[start:end]) for start, end in spans]

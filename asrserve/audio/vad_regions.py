@@ -15,6 +15,11 @@ from asrserve.config import N_SAMPLES, SAMPLE_RATE
 WINDOW = 512  # samples per speech probability (32 ms at 16 kHz)
 SPLIT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where to look for a dip when speech runs past 30 s
 QUIET_SAMPLES = SAMPLE_RATE // 50  # 20 ms: the span whose energy places a cut inside a dip
+# A piece that is full ends at the longest pause in its last this many ms, not at its last
+# pause, if that one is at least LONGER_BY times as long (_cut_at_longest_pause; both measured
+# in benchmarks/vad_cut_choices.py).
+CUT_LOOKBACK_MS = 10_000
+LONGER_BY = 2.0
 
 
 class RegionFinder:
@@ -117,6 +122,7 @@ def piece_spans(
     prefix_padding_ms: float,
     max_samples: int = N_SAMPLES,
     max_gap_ms: float | None = None,
+    lookback_ms: float | None = CUT_LOOKBACK_MS,
 ) -> list[tuple[int, int]]:
     """[start, end) of the pieces the unpadded regions `raw` make (asrserve.audio.vad.vad_pieces
     says how), in order.
@@ -124,18 +130,51 @@ def piece_spans(
     Locality, which lets piece_cutter send pieces before the audio ends: a region's padded
     end depends on where the next one starts, and whether it joins the piece before on its
     own padded end. So with the regions of a prefix of the audio (the last one cut off where
-    the prefix ends), every span but the last two is the same as with the whole audio."""
+    the prefix ends), every span but the last two is the same as with the whole audio: a
+    piece is settled when a region does not fit in it, and moving its last regions on (below)
+    opens one piece, as ending it there would."""
     pad = math.ceil(SAMPLE_RATE * prefix_padding_ms / 1000) + 1  # + 1: pad_regions rounds its ends
     if max_samples <= 2 * pad + 2 * WINDOW:
         raise ValueError(f"max_samples ({max_samples}) leaves no room for speech between the pads")
     # Split before padding, so that each part is still <= max_samples once padded and no cut
     # falls in the padding (which would leave a piece of bare silence).
     raw = [part for start, end in raw for part in _split_long(start, end, probs, samples, max_samples - 2 * pad)]
+    padded = pad_regions(raw, num_samples, prefix_padding_ms)
     max_gap = math.inf if max_gap_ms is None else SAMPLE_RATE * max_gap_ms / 1000
-    spans: list[list[int]] = []  # [start, end, where the speech in it ends]
-    for (start, end), (speech_start, speech_end) in zip(pad_regions(raw, num_samples, prefix_padding_ms), raw):
-        if spans and end - spans[-1][0] <= max_samples and speech_start - spans[-1][2] < max_gap:
-            spans[-1][1:] = [end, speech_end]  # WhisperX's cut & merge
-        else:
-            spans.append([start, end, speech_end])
-    return [(start, end) for start, end, _ in spans if end > start]
+    lookback = 0 if lookback_ms is None else SAMPLE_RATE * lookback_ms / 1000
+    pieces: list[list[int]] = []  # the regions of each piece, by index
+    for i, (start, end) in enumerate(padded):
+        if pieces and raw[i][0] - raw[pieces[-1][-1]][1] < max_gap:
+            piece = pieces[-1]
+            if end - padded[piece[0]][0] <= max_samples:
+                piece.append(i)  # WhisperX's cut & merge
+                continue
+            keep = _cut_at_longest_pause(piece, i, raw, padded, max_samples, lookback)
+            pieces[-1] = piece[:keep]
+            pieces.append(piece[keep:] + [i])
+            continue
+        pieces.append([i])
+    spans = [(padded[piece[0]][0], padded[piece[-1]][1]) for piece in pieces]
+    return [(start, end) for start, end in spans if end > start]
+
+
+def _cut_at_longest_pause(piece, following, raw, padded, max_samples, lookback) -> int:
+    """How many of a full piece's regions to keep when region `following` does not fit: all of
+    them, or fewer where a pause LONGER_BY times as long as the last one lies between two of
+    them in the piece's last `lookback` samples (the longest such) and the rest still fits with
+    `following`. A piece that ends at the pause before its last words (a breath, or JFK's
+    second inside "ask not ... what your country") leaves a sentence cut in two, and Whisper
+    fills the end of a window cut mid-sentence with a loop of the words before. (Moving for a
+    pause only a little longer than the last one costs a window now and then, and measured no
+    better.)"""
+    start = padded[piece[0]][0]
+    best, longest = len(piece), LONGER_BY * (raw[following][0] - raw[piece[-1]][1])
+    for keep in range(len(piece) - 1, 0, -1):
+        if padded[piece[keep - 1]][1] - start < max_samples - lookback:
+            break
+        if padded[following][1] - padded[piece[keep]][0] > max_samples:
+            break  # keeping fewer moves more on
+        pause = raw[piece[keep]][0] - raw[piece[keep - 1]][1]
+        if pause > longest:
+            best, longest = keep, pause
+    return best
