@@ -554,3 +554,113 @@ def test_an_unreadable_message_stops_the_engine_as_a_failure():
     runner.start()
     runner.join(10)
     assert not runner.is_alive() and loop.unreadable_message
+
+
+def test_a_step_that_raises_fails_the_requests_in_it_and_the_engine_goes_on(tiny_en_engine, speech_audio, monkeypatch):
+    """A bug one step trips on (an input no test had) used to end the engine process, every
+    request on the server with it, and the server. Now the requests in the engine fail as bugs
+    (500s) and give back all they held; the next ones are served. Three failed steps in a row
+    still end it (a fault that outlives its requests)."""
+    from multiprocessing import Pipe
+
+    from asrserve.engine import engine_process
+
+    core = tiny_en_engine
+    execute = core.runner.execute
+    failing = {"steps": {2}, "count": 0}
+
+    def execute_with_a_bug(scheduler_output):
+        failing["count"] += 1
+        if failing["count"] in failing["steps"]:
+            raise TypeError("a bug in one step")
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(core.runner, "execute", execute_with_a_bug)
+    server_end, engine_end = Pipe()
+    outputs_end, outbox = Pipe()
+    loop = engine_process.EngineLoop(core, engine_end, outbox)
+    ended: list[BaseException | None] = []
+
+    def run():
+        try:
+            loop.run()
+            ended.append(None)
+        except BaseException as error:  # noqa: BLE001 - what ended the loop is the test's to check
+            ended.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def finals(request_ids: set[str]) -> dict:
+        done = {}
+        deadline = time.monotonic() + 60
+        while set(done) != request_ids and time.monotonic() < deadline:
+            if outputs_end.poll(0.5):
+                for output in outputs_end.recv()[1]:
+                    if output.finished:
+                        done[output.request_id] = output
+        return done
+
+    def add(*request_ids: str) -> None:
+        server_end.send(("add", [EngineRequest(request_id, speech_audio[i], "en", "transcribe",
+                                               SamplingParams.transcription())
+                                 for i, request_id in enumerate(request_ids)]))
+
+    try:
+        add("a", "b")
+        failed = finals({"a", "b"})
+        assert {o.finish_reason for o in failed.values()} == {"error"}, failed
+        assert all(o.bug and "TypeError" in o.error for o in failed.values())
+        assert core.block_manager.num_used_blocks == 0 and not core.runner.encoder_outputs
+        add("c")
+        served = finals({"c"})["c"]
+        assert served.finish_reason == "stop" and served.new_token_ids
+        assert thread.is_alive()
+        failing["steps"] = set(range(failing["count"] + 1, failing["count"] + 10))  # every step from now
+        for request_id in ("d", "e"):
+            add(request_id)
+            assert finals({request_id})[request_id].bug
+        add("f")  # the third failed step in a row
+        thread.join(30)
+        assert not thread.is_alive() and isinstance(ended[0], TypeError)
+        assert engine_process.MAX_FAILED_STEPS == 3
+    finally:
+        server_end.close()
+        thread.join(5)
+        for request_id in list(core.scheduler.requests):
+            core.abort(request_id)
+
+
+def test_a_request_a_step_fails_on_gets_a_500_and_the_server_serves_the_next(speech_files, tmp_path):
+    """The same through a server: a bug that only one input trips (here: audio of exactly
+    1.2345 s, through a sitecustomize the engine's interpreter runs at start-up) answers that
+    request with OpenAI's 500, frees what it held, counts the failed step, and the server stays
+    healthy and transcribes the next request."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import asrserve.worker.model_runner as runner\n"
+        "execute = runner.ModelRunner.execute\n"
+        "def execute_with_a_bug(self, scheduler_output):\n"
+        "    if any(len(r.audio) == 19752 for r in scheduler_output.encoder_requests):\n"
+        "        raise TypeError('a bug one input trips')\n"
+        "    return execute(self, scheduler_output)\n"
+        "runner.ModelRunner.execute = execute_with_a_bug\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    marked = tmp_path / "marked.wav"
+    soundfile.write(marked, np.zeros(19752, np.float32) + 0.01, SAMPLE_RATE)
+    process = ServerProcess([], env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"})
+    try:
+        process.wait_ready()
+        response = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": marked.read_bytes()},
+                              timeout=60)
+        _assert_error(response, 500)
+        assert response.json()["error"]["type"] == "server_error"
+        served = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[0].read_bytes()},
+                            timeout=60)
+        assert served.status_code == 200 and served.json()["text"].strip()
+        assert httpx.get(f"{process.url}/health", timeout=5).status_code == 200
+        assert not any(engine_idle(process).values())
+        assert process.metrics()["asrserve_engine_failed_steps_total"] == 1
+        assert "an engine step failed" in process.logs()
+    finally:
+        process.stop()

@@ -159,6 +159,25 @@ class EngineCore:
         sampled = self.runner.execute(scheduler_output)
         return outputs + self.scheduler.update(scheduler_output, sampled)
 
+    def fail_everything(self, error: str) -> list[RequestOutput]:
+        """After a step raised (a bug): every unfinished request fails with `error` and gives
+        back all it held, so that the engine can go on with new ones. A step builds its batch
+        afresh from the scheduler's requests, so nothing of the failed one is left but the
+        encoder outputs, dropped here. Raises if anything is still held after that: a state
+        that failing the requests does not undo."""
+        outputs = list(self.finished_without_model.values())  # decided without the model: they stand
+        self.finished_without_model.clear()
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.abort(request_id)
+            outputs.append(RequestOutput(request_id, [], [], True, "error", bug=True, error=error))
+        self.encoder_cache.take_freed()
+        self.runner.encoder_outputs.clear()
+        held = {"KV blocks": self.block_manager.num_used_blocks, "encoder outputs": self.encoder_cache.num_cached,
+                "requests": int(self.scheduler.has_unfinished_requests())}
+        if any(held.values()):
+            raise RuntimeError(f"the engine still holds {held} after failing every request")
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.finished_without_model) or self.scheduler.has_unfinished_requests()
 

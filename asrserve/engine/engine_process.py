@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 EXIT_HANDLERS_TIMEOUT_S = 2.0
 IDLE_RELEASE_AFTER_S = 1.0  # idle this long, the engine hands its freed heap back to the OS
+# A step that raises fails the requests in the engine, and the engine goes on with new ones;
+# this many in a row, with no step between that went through, end it (the server then exits
+# for its orchestrator to restart it): a fault that outlives its requests, a device gone bad.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -72,6 +76,7 @@ class EngineStats:
     num_preemptions: int  # since start
     draft_tokens_checked: int = 0  # since start (engine/draft.py)
     draft_tokens_accepted: int = 0
+    failed_steps: int = 0  # since start: steps that raised (EngineLoop._step)
     # Encoder forwards since the last message: audios per forward -> number of forwards.
     encoder_batch_sizes: dict[int, int] = field(default_factory=dict)
 
@@ -156,6 +161,8 @@ class EngineLoop:
         self._encoder_batches_sent: Counter[int] = Counter()
         self._memory_released = True  # nothing has been freed yet
         self.unreadable_message = False  # it stopped on a message it could not read: a failure
+        self.failed_steps = 0  # in a row
+        self.total_failed_steps = 0
 
     def run(self) -> None:
         threading.Thread(target=self._read_inbox, name="engine-inbox", daemon=True).start()
@@ -183,9 +190,26 @@ class EngineLoop:
                 except queue.Empty:
                     message = None
             if self.core.has_work():
-                outputs.extend(self.core.step())
+                outputs.extend(self._step())
                 self._memory_released = False
             self.outbox.send(("outputs", outputs, self._stats()))
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            outputs = self.core.step()
+        except Exception as error:
+            self.failed_steps += 1
+            self.total_failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            # One request's bug (an input no test had) used to end the engine, and with it every
+            # request on the server and the server itself. The requests in the step fail as
+            # bugs (500); the ones that arrive next are served.
+            logger.exception("an engine step failed: the %d requests in the engine fail, the engine goes on",
+                             len(self.core.scheduler.requests))
+            return self.core.fail_everything(f"the engine failed while decoding: {type(error).__name__}")
+        self.failed_steps = 0
+        return outputs
 
     def _read_inbox(self) -> None:
         try:
@@ -237,5 +261,6 @@ class EngineLoop:
             num_preemptions=core.scheduler.num_preemptions,
             draft_tokens_checked=core.scheduler.drafts.checked,
             draft_tokens_accepted=core.scheduler.drafts.accepted,
+            failed_steps=self.total_failed_steps,
             encoder_batch_sizes=dict(new_batches),
         )

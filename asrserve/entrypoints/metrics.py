@@ -76,7 +76,11 @@ class ServerMetrics:
         self.draft_tokens_accepted = Counter(
             "asrserve_draft_tokens_accepted", "Draft tokens kept (the decode chose them)", registry=registry
         )
-        self._engine_totals = (0, 0, 0)
+        self.engine_failed_steps = Counter(
+            "asrserve_engine_failed_steps", "Engine steps that raised (a bug): the requests in the engine failed "
+            "with a 500, and the engine went on", registry=registry,
+        )
+        self._engine_totals = (0, 0, 0, 0)
         self.realtime_sessions = Gauge(
             "asrserve_realtime_sessions", "Live transcription sessions connected to /v1/realtime", registry=registry
         )
@@ -95,9 +99,9 @@ class ServerMetrics:
         self.kv_cache_blocks_used.set(stats.kv_blocks_used)
         self.kv_cache_blocks_total.set(stats.kv_blocks_total)
         self.encoder_cache_entries.set(stats.encoder_cache_entries)
-        totals = (stats.num_preemptions, stats.draft_tokens_checked, stats.draft_tokens_accepted)
-        for counter, total, before in zip((self.preemptions, self.draft_tokens_checked, self.draft_tokens_accepted),
-                                          totals, self._engine_totals):
+        totals = (stats.num_preemptions, stats.draft_tokens_checked, stats.draft_tokens_accepted, stats.failed_steps)
+        counters = (self.preemptions, self.draft_tokens_checked, self.draft_tokens_accepted, self.engine_failed_steps)
+        for counter, total, before in zip(counters, totals, self._engine_totals, strict=True):
             if total > before:
                 counter.inc(total - before)
         self._engine_totals = totals
