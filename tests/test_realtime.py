@@ -387,6 +387,34 @@ def test_a_session_that_commits_in_a_loop_waits_for_its_own_transcripts(server):
     wait_for_idle_engine(server, timeout=120)
 
 
+def test_one_append_of_many_turns_waits_for_its_own_transcripts(server, speech_audio):
+    """The same bound within one event: a single append (OpenAI allows 15 MiB of audio) of 48
+    short turns under server VAD opened all 48 finals at once, ahead of everyone's file work."""
+    from asrserve.entrypoints.live_item import MAX_SESSION_TASKS
+
+    turns = [speech_audio[i % len(speech_audio)][: 16_000 * 3 // 4] for i in range(48)]
+    audio = np.concatenate([part for turn in turns for part in (turn, silence(0.8))])
+    url = server.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
+    queued: list[float] = []
+
+    async def run():
+        async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"},
+                                      max_size=None) as ws:
+            append = {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm(audio)).decode()}
+            await ws.send(json.dumps(append))
+            completed = 0
+            while completed < 8:  # a few turns in: the rest are still to come
+                event = json.loads(await ws.recv())
+                completed += event["type"] == "conversation.item.input_audio_transcription.completed"
+                metrics = await asyncio.to_thread(server.metrics)
+                queued.append(metrics["asrserve_num_requests_waiting"] + metrics["asrserve_num_requests_running"])
+
+    asyncio.run(run())
+    assert max(queued) <= MAX_SESSION_TASKS, queued
+    # The client left with most turns to go: the session stops at once, not after them all.
+    wait_for_idle_engine(server, timeout=15)
+
+
 def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(server):
     """A client that sends events and never reads the answers (each echoes the event's 1 MB
     event_id) fills every buffer between them: the server's sends wait for room that never

@@ -107,6 +107,7 @@ class SessionTasks:
 
     def __init__(self) -> None:
         self.running: set[asyncio.Task] = set()
+        self.closed = False  # the session ended: nothing more is to start
 
     def spawn(self, work) -> asyncio.Task:
         task = asyncio.ensure_future(work)
@@ -115,6 +116,7 @@ class SessionTasks:
         return task
 
     def cancel(self, why: str) -> list[asyncio.Task]:
+        self.closed = True
         tasks = list(self.running)
         for task in tasks:
             task.cancel(why)
@@ -124,7 +126,7 @@ class SessionTasks:
         """Waits while the session has MAX_SESSION_TASKS: a client that commits in a loop, or
         appends an hour of turns at once, waits for its own transcripts (finals are served
         ahead of all file work; 1000 commits queued 969 of them before everyone else's)."""
-        while len(self.running) >= MAX_SESSION_TASKS:
+        while len(self.running) >= MAX_SESSION_TASKS and not self.closed:
             await asyncio.wait(set(self.running), return_when=asyncio.FIRST_COMPLETED)
 
 

@@ -96,6 +96,9 @@ class RealtimeSession:
             probs = await self.run_vad(self.vad.push, samples)
             first = self.vad.num_windows - len(probs)
             for turn in self.turns.feed(probs, first):
+                await self.tasks.room()  # one append of minutes may hold a hundred turns
+                if self.tasks.closed:  # the client left while it waited
+                    return
                 await self._on_turn(turn)
             if self.item is None:  # keep only what the next turn's prefix padding needs
                 self.audio.drop_before(self.audio.end - self._padding)

@@ -204,6 +204,8 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 logger.info("realtime session %s: the client read nothing for %g s; dropped", session_id, idle_timeout)
             except (WebSocketDisconnect, RuntimeError, OSError):
                 closed = True  # the receive loop sees the disconnect and ends the session
+            if closed:  # its decodes stop now: an event may be handled for a while yet (its turns)
+                session.close()
 
     async def close(code: int, reason: str) -> None:
         nonlocal closed
