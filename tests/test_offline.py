@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +135,27 @@ def test_stopping_early_frees_the_engine(asr, speech_files):
     assert not engine.has_work()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.runner.encoder_outputs == {}
+
+
+def test_calls_inside_beside_and_beyond_another_each_get_their_own_results(asr, speech_files):
+    """One ASR, one engine: a transcribe inside a transcribe_iter loop (the loop body reads one
+    file again), two transcribe_iter generators read in turn, and two threads at once each got
+    KeyError from the outputs of the other call's requests."""
+    files = speech_files[:4]
+    alone = [t.text for t in asr.transcribe(files)]
+    again = {}
+    for index, result in asr.transcribe_iter(files):  # (in the order they finish)
+        assert result.text == alone[index]
+        again[index] = asr.transcribe(result.source)[0].text
+    assert again == dict(enumerate(alone))
+    pairs = list(zip(asr.transcribe_iter(files[:2]), asr.transcribe_iter(files[2:])))
+    assert {i: r.text for pair in pairs for i, r in ((pair[0][0], pair[0][1]), (2 + pair[1][0], pair[1][1]))} \
+        == dict(enumerate(alone))
+    with ThreadPoolExecutor(2) as pool:
+        threaded = list(pool.map(lambda group: [t.text for t in asr.transcribe(group)], [files[:2], files[2:]]))
+    assert threaded == [alone[:2], alone[2:]]
+    engine = asr.engine
+    assert not engine.has_work() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_long_audio_is_cut_in_pauses_and_read_in_order(asr, long_clip):

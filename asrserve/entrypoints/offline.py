@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,9 @@ from asrserve.config import (
     SchedulerConfig,
 )
 from asrserve.engine.engine_core import EngineCore
-from asrserve.engine.request import SamplingParams
+from asrserve.engine.request import RequestOutput, SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
+from asrserve.entrypoints.offline_engine import SharedEngine
 from asrserve.entrypoints.pieces import (
     PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, spoken_language, transcript_text,
 )
@@ -108,6 +110,7 @@ class ASR:
         )
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
+        self._shared = SharedEngine(self.engine)  # for calls inside, beside or beyond another
         self._next_id = itertools.count()
 
     def transcribe(
@@ -214,15 +217,16 @@ class ASR:
         except ValueError as error:
             raise InvalidRequestError(f"chunking_strategy: {error}") from None
         max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
-        engine = self.engine
+        shared = self._shared
         pending = iter(enumerate(sources))
         requests: dict[str, _PieceRequest] = {}  # in the engine, by request id
+        inbox: deque[RequestOutput] = deque()  # their outputs, whichever call stepped the engine
         in_flight = 0
         bar = _progress_bar(count) if progress else None
 
         def add(job: _Job, piece: _PieceRequest, piece_language: str | None, piece_prompt: str | None) -> None:
             request_id = f"offline-{next(self._next_id)}"
-            engine.add_request(request_id, piece.samples, piece_language, task, job.params, piece_prompt)
+            shared.add(inbox, request_id, piece.samples, piece_language, task, job.params, piece_prompt)
             requests[request_id] = piece
             job.remaining += 1
 
@@ -272,9 +276,11 @@ class ASR:
                             bar.update(1)
                         yield job.index, self._finish(job, params, text_limit, task)
                     in_flight += job.remaining
-                if not engine.has_work():
+                if not requests:
                     break
-                for output in engine.step():
+                shared.step_for(inbox)
+                while inbox:
+                    output = inbox.popleft()
                     piece = requests[output.request_id]
                     piece.result.add(output)
                     if output.finished:
@@ -288,10 +294,7 @@ class ASR:
                                 bar.update(1)
                             yield job.index, self._finish(job, params, text_limit, task)
         finally:
-            for request_id in list(requests):  # the caller stopped early: free everything
-                engine.abort(request_id)
-            while engine.has_work():
-                engine.step()
+            shared.release(list(requests))  # the caller stopped early: free everything
             if bar is not None:
                 bar.close()
 
