@@ -13,6 +13,10 @@ EXTENSIONS = {"text": "txt", "json": "json", "verbose_json": "json", "srt": "srt
 
 
 def run_transcribe(args: argparse.Namespace) -> int:
+    # A transcript the terminal's encoding lacks (Russian text through an ASCII or cp1252
+    # stdout) is written escaped: it used to end the whole run with exit 2 at that file.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return _run(args)
     except KeyboardInterrupt:  # while the model loads, or files are transcribed
@@ -147,6 +151,9 @@ def _print_result(file: str, result, args: argparse.Namespace, path: Path | None
 
 def _write(output: str, path: Path | None) -> None:
     if path is None:
-        print(output, end="", flush=True)
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode():  # a progress bar on the same terminal steps aside, then comes back
+            print(output, end="", flush=True)
     else:
         path.write_text(output, encoding="utf-8")

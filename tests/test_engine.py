@@ -257,6 +257,15 @@ def test_language_and_task_checks(tiny_en_engine, speech_audio):
     assert_idle_and_clean(tiny_en_engine)
 
 
+def test_iso_639_1_codes_whisper_spells_otherwise_are_taken():
+    """Javanese is Whisper's "jw", Norwegian Bokmål (what browsers report) its "no", and "iw"
+    Hebrew's old code: the ISO codes were refused with 400."""
+    from asrserve.model.languages import normalize_language
+
+    assert [normalize_language(code) for code in ("jv", "nb", "NB", "iw", "jw", "no", "he")] == [
+        "jw", "no", "no", "he", "jw", "no", "he"]
+
+
 def test_pool_too_small_for_one_request_is_refused():
     with pytest.raises(ValueError, match="cannot hold one full-length request"):
         EngineCore(engine_config(dtype="float32", num_kv_blocks=100))

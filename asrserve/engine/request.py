@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +49,13 @@ class SamplingParams:
     stream_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # (The offline API passes what its caller gave: a "0.5" or a 2.5 failed deep in a step.)
+        for name in ("best_of", "seed", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, bool):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         for temperature in (self.temperature, *self.fallback_temperatures):
             if not 0.0 <= temperature <= 2.0 or temperature != temperature:
                 raise ValueError(f"temperature must be between 0 and 2, got {temperature}")

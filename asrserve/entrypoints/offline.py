@@ -24,6 +24,7 @@ from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import RequestOutput, SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
 from asrserve.entrypoints.offline_engine import SharedEngine
+from asrserve.entrypoints.offline_inputs import input_sources
 from asrserve.entrypoints.pieces import (
     PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, spoken_language, transcript_text,
 )
@@ -141,8 +142,10 @@ class ASR:
         piece again from its last segment when Whisper stopped early in it.
         language: one code for every input, or one per input (None: detect it), so files in
         several languages still decode side by side.
-        errors="raise" raises AudioError / InvalidRequestError for the first bad input before
-        anything runs; errors="return" gives that input a Transcription with `error` set.
+        errors="raise" raises InvalidRequestError for a bad argument before anything runs, and
+        AudioError for the first input that cannot be read when it is read (inputs are read as
+        the engine makes room; results before it are dropped); errors="return" gives that
+        input a Transcription with `error` set.
         timestamps: decode with timestamp tokens and return segments; word_timestamps: also
         time each word (implies timestamps). prompt: text that came before the audio.
         fallback: at temperature 0, retry pieces that fail Whisper's checks at higher
@@ -152,7 +155,7 @@ class ASR:
         fallback on, 1 without). max_tokens: text tokens of each whole transcript at most (the
         server's max_completion_tokens; the text past it is dropped).
         """
-        sources = [audio] if _is_single(audio) else list(audio)
+        sources = list(input_sources(audio, language))
         results: list[Transcription | None] = [None] * len(sources)
         for index, transcription in self.transcribe_iter(
             sources, language=language, task=task, temperature=temperature, seed=seed,
@@ -190,13 +193,9 @@ class ASR:
             raise ValueError("errors must be 'raise' or 'return'")
         if prompt is not None and not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be text, got {type(prompt).__name__}")
-        if _is_single(sources):
-            sources = [sources]
-        elif isinstance(sources, (list, tuple)) and sources and isinstance(sources[0], (int, float, np.number)):
-            # (each number would be read as an input of its own, and fail as one)
-            raise InvalidRequestError("a list of numbers is a list of inputs: pass samples as a numpy array")
-        elif not (language is None or isinstance(language, str)) and not hasattr(sources, "__len__"):
-            sources = list(sources)  # one language per input: counted against the inputs
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise InvalidRequestError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        sources = input_sources(sources, language)
         count = len(sources) if hasattr(sources, "__len__") else None
         timestamps = timestamps or word_timestamps
         try:
@@ -303,6 +302,8 @@ class ASR:
         if language is None or isinstance(language, str):
             code = self.engine.check_language(language, task)
             return lambda index: code
+        if not isinstance(language, Iterable):
+            raise InvalidRequestError(f"language must be a code, None or one of them per input, got {language!r}")
         languages = list(language)
         if len(languages) != num_sources:
             raise InvalidRequestError(f"language: {len(languages)} codes for {num_sources} inputs")
@@ -331,10 +332,6 @@ class ASR:
             segments=segments,
             pieces=job.pieces,
         )
-
-
-def _is_single(audio) -> bool:
-    return isinstance(audio, (str, Path, bytes, bytearray, np.ndarray)) or hasattr(audio, "read")
 
 
 def _progress_bar(total: int):

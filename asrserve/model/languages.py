@@ -28,6 +28,9 @@ _ALIASES = {name: code for code, name in LANGUAGES.items()} | {
     "burmese": "my", "valencian": "ca", "flemish": "nl", "haitian": "ht",
     "letzeburgesch": "lb", "pushto": "ps", "panjabi": "pa", "moldavian": "ro",
     "moldovan": "ro", "sinhalese": "si", "castilian": "es", "mandarin": "zh",
+    # ISO 639-1 codes Whisper spells otherwise: Javanese (its "jw"), Norwegian Bokmål (what
+    # browsers and operating systems report), and Hebrew's withdrawn code.
+    "jv": "jw", "nb": "no", "iw": "he",
 }
 
 
