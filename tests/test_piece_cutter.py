@@ -184,6 +184,35 @@ def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms, max_gap_ms, 
             assert settled == spans[: len(settled)]
 
 
+def test_a_blip_the_whole_audio_drops_does_not_move_a_cut_in_a_prefix():
+    """The counterexample a review found to the lookback cut's locality: speech at 0.5-21,
+    23-29 and 29.5-52.5 s, then a 64 ms blip (a region while the prefix ends in it, dropped as
+    too short by the whole audio) and speech again at 60 s. The blip pulled the region before
+    it in by half the gap, and a prefix moved a cut the whole audio did not: three pieces from
+    the end, a 500 for the upload ("pieces sent early ... differ")."""
+    from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+
+    def window(seconds: float) -> int:
+        return int(round(seconds * SR / WINDOW))
+
+    blip = 52.5 + 0.2 + 0.064
+    probs = np.zeros(window(80.0), np.float32)
+    for start, end in [(0.5, 21.0), (23.0, 29.0), (29.5, 52.5), (blip, blip + 0.064), (60.0, 70.0)]:
+        probs[window(start) : window(end)] = 0.9
+    samples = np.zeros(len(probs) * WINDOW, np.float32)
+
+    def spans(windows: int) -> list[tuple[int, int]]:
+        finder = RegionFinder(0.5, 200, 100)
+        finder.feed(probs[:windows])
+        end = windows * WINDOW
+        return piece_spans(finder.regions + finder.open_region(end), probs[:windows], samples[:end], end, 300)
+
+    whole = spans(len(probs))
+    for windows in range(1, len(probs)):
+        settled = spans(windows)[:-2]
+        assert settled == whole[: len(settled)], windows * WINDOW / SR
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread niceness is set on Linux only")
 def test_preprocessing_threads_yield_the_cpu_to_the_engine(monkeypatch):
     from asrserve.entrypoints import preprocess

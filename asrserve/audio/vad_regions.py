@@ -15,9 +15,9 @@ from asrserve.config import N_SAMPLES, SAMPLE_RATE
 WINDOW = 512  # samples per speech probability (32 ms at 16 kHz)
 SPLIT_SEARCH_SAMPLES = 5 * SAMPLE_RATE  # where to look for a dip when speech runs past 30 s
 QUIET_SAMPLES = SAMPLE_RATE // 50  # 20 ms: the span whose energy places a cut inside a dip
-# A piece that is full ends at the longest pause in its last this many ms, not at its last
-# pause, if that one is at least LONGER_BY times as long (_cut_at_longest_pause; both measured
-# in benchmarks/vad_cut_choices.py).
+# A piece that is full ends at the longest pause that leaves it at most this many ms short of
+# the limit, not at its last pause, if that one is more than LONGER_BY times as long
+# (_cut_at_longest_pause; both measured in benchmarks/vad_cut_choices.py).
 CUT_LOOKBACK_MS = 10_000
 LONGER_BY = 2.0
 
@@ -149,7 +149,7 @@ def piece_spans(
             if end - padded[piece[0]][0] <= max_samples:
                 piece.append(i)  # WhisperX's cut & merge
                 continue
-            keep = _cut_at_longest_pause(piece, i, raw, padded, max_samples, lookback)
+            keep = _cut_at_longest_pause(piece, i, raw, padded, max_samples, lookback, pad)
             pieces[-1] = piece[:keep]
             pieces.append(piece[keep:] + [i])
             continue
@@ -158,21 +158,26 @@ def piece_spans(
     return [(start, end) for start, end in spans if end > start]
 
 
-def _cut_at_longest_pause(piece, following, raw, padded, max_samples, lookback) -> int:
+def _cut_at_longest_pause(piece, following, raw, padded, max_samples, lookback, pad) -> int:
     """How many of a full piece's regions to keep when region `following` does not fit: all of
-    them, or fewer where a pause LONGER_BY times as long as the last one lies between two of
-    them in the piece's last `lookback` samples (the longest such) and the rest still fits with
-    `following`. A piece that ends at the pause before its last words (a breath, or JFK's
+    them, or fewer where a pause over LONGER_BY times as long as the last one lies between two
+    of them, leaving the piece at most `lookback` samples short of `max_samples` (the longest
+    such), and the rest still fits with `following`. A piece that ends at the pause before its last words (a breath, or JFK's
     second inside "ask not ... what your country") leaves a sentence cut in two, and Whisper
     fills the end of a window cut mid-sentence with a loop of the words before. (Moving for a
     pause only a little longer than the last one costs a window now and then, and measured no
     better.)"""
     start = padded[piece[0]][0]
     best, longest = len(piece), LONGER_BY * (raw[following][0] - raw[piece[-1]][1])
+    # Where `following` ends once padded, at the most: its padded end itself moves with the
+    # region after it (pads meet halfway), which a prefix of the audio may not know yet (a
+    # blip there that the whole audio drops); a move decided on it then differed from the
+    # whole audio's, three pieces from the end.
+    following_end = raw[following][1] + pad
     for keep in range(len(piece) - 1, 0, -1):
         if padded[piece[keep - 1]][1] - start < max_samples - lookback:
             break
-        if padded[following][1] - padded[piece[keep]][0] > max_samples:
+        if following_end - padded[piece[keep]][0] > max_samples:
             break  # keeping fewer moves more on
         pause = raw[piece[keep]][0] - raw[piece[keep - 1]][1]
         if pause > longest:
