@@ -121,10 +121,13 @@ def _print_result(file: str, result, args: argparse.Namespace, path: Path | None
     # replacement characters: the records are UTF-8.
     file = file.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     response_format = args.response_format
+    # JSON escapes what a stdout that is not UTF-8 cannot hold (backslashreplace would write
+    # "\xf6", which no JSON parser reads).
+    ascii_only = path is None and (sys.stdout.encoding or "").lower().replace("-", "") != "utf8"
     if result.error is not None:
         print(f"asrserve: {file}: {result.error}", file=sys.stderr)
         if response_format in ("json", "verbose_json"):  # a record for every file
-            _write(json.dumps({"file": file, "error": result.error}, ensure_ascii=False) + "\n", path)
+            _write(json.dumps({"file": file, "error": result.error}, ensure_ascii=ascii_only) + "\n", path)
         elif response_format == "text" and path is None:  # line N is still file N's
             _write("\n", None)
         return 1
@@ -132,13 +135,13 @@ def _print_result(file: str, result, args: argparse.Namespace, path: Path | None
     if response_format == "json":
         record = {"file": file, "text": text, "language": reported_language(args.task, result.language),
                   "duration": round(result.duration, 3)}
-        output = json.dumps(record, ensure_ascii=False) + "\n"
+        output = json.dumps(record, ensure_ascii=ascii_only) + "\n"
     elif response_format == "verbose_json":
         body = to_verbose_json(
             args.task, result.language, result.duration, result.text, result.segments, args.word_timestamps,
             {"type": "duration", "seconds": round(result.duration, 3)},
         )
-        output = json.dumps({"file": file, **body}, ensure_ascii=False) + "\n"
+        output = json.dumps({"file": file, **body}, ensure_ascii=ascii_only) + "\n"
     elif response_format == "srt":
         output = to_srt(result.segments)
     elif response_format == "vtt":

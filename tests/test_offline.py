@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -155,6 +156,41 @@ def test_calls_inside_beside_and_beyond_another_each_get_their_own_results(asr, 
     with ThreadPoolExecutor(2) as pool:
         threaded = list(pool.map(lambda group: [t.text for t in asr.transcribe(group)], [files[:2], files[2:]]))
     assert threaded == [alone[:2], alone[2:]]
+    engine = asr.engine
+    assert not engine.has_work() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_step_that_raises_inside_another_call_fails_both_calls_instead_of_hanging_one(asr, speech_files,
+                                                                                      monkeypatch):
+    """A transcribe inside a transcribe_iter loop whose step raises: the outer call's requests
+    were lost with the step, and it stepped an engine that no longer had them, for ever."""
+    execute = asr.engine.runner.execute
+    state = {"armed": False}
+
+    def execute_with_a_bug(scheduler_output):
+        if state["armed"]:
+            state["armed"] = False
+            raise TypeError("a bug in one step")
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(asr.engine.runner, "execute", execute_with_a_bug)
+    outcome = {}
+
+    def run():
+        try:
+            for _, result in asr.transcribe_iter(speech_files[:6], max_in_flight=2):
+                state["armed"] = True
+                with pytest.raises(TypeError):
+                    asr.transcribe(result.source)
+            outcome["ended"] = "normally"
+        except RuntimeError as error:
+            outcome["ended"] = str(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the outer call hung"
+    assert "the engine failed while decoding: TypeError" in outcome["ended"]
     engine = asr.engine
     assert not engine.has_work() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -317,6 +353,11 @@ def test_cli_text_its_stdout_cannot_encode_is_written_escaped_and_the_run_goes_o
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and lines[0] == lines[1] and "\\x" in lines[0], result.stdout
+    # JSON on such a stdout is still JSON (its escapes, not "\xf6"), and keeps the letters
+    result = subprocess.run([sys.executable, "-m", "asrserve.cli", "transcribe", "--model", "base", "-f", "json",
+                             str(clip)], capture_output=True, text=True, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    assert any(ord(c) > 127 for c in json.loads(result.stdout)["text"]), result.stdout
 
 
 def test_cli_results_on_a_terminal_do_not_share_the_progress_bar_s_line(speech_files):

@@ -122,11 +122,15 @@ class SessionTasks:
             task.cancel(why)
         return tasks
 
+    @property
+    def has_room(self) -> bool:
+        return len(self.running) < MAX_SESSION_TASKS or self.closed
+
     async def room(self) -> None:
         """Waits while the session has MAX_SESSION_TASKS: a client that commits in a loop, or
         appends an hour of turns at once, waits for its own transcripts (finals are served
         ahead of all file work; 1000 commits queued 969 of them before everyone else's)."""
-        while len(self.running) >= MAX_SESSION_TASKS and not self.closed:
+        while not self.has_room:
             await asyncio.wait(set(self.running), return_when=asyncio.FIRST_COMPLETED)
 
 

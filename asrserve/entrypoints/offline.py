@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -193,8 +194,8 @@ class ASR:
             raise ValueError("errors must be 'raise' or 'return'")
         if prompt is not None and not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be text, got {type(prompt).__name__}")
-        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
-            raise InvalidRequestError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        if max_in_flight is not None and (not isinstance(max_in_flight, numbers.Integral) or max_in_flight < 0):
+            raise InvalidRequestError(f"max_in_flight must be a positive integer (0: the default), got {max_in_flight!r}")
         sources = input_sources(sources, language)
         count = len(sources) if hasattr(sources, "__len__") else None
         timestamps = timestamps or word_timestamps
@@ -280,6 +281,8 @@ class ASR:
                 shared.step_for(inbox)
                 while inbox:
                     output = inbox.popleft()
+                    if output.finish_reason == "error":  # (a step another call made failed)
+                        raise (RuntimeError if output.bug else InvalidRequestError)(output.error)
                     piece = requests[output.request_id]
                     piece.result.add(output)
                     if output.finished:

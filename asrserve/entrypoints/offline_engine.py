@@ -26,13 +26,24 @@ class SharedEngine:
             self._inboxes[request_id] = inbox
 
     def step_for(self, inbox: deque[RequestOutput]) -> None:
-        """Steps the engine unless `inbox` already holds outputs (another caller stepped)."""
+        """Steps the engine unless `inbox` already holds outputs (another caller stepped). A
+        step that raises fails every request in the engine, so that each caller learns it from
+        its own outputs (one that only waited would wait for ever); the caller that stepped
+        gets the exception itself."""
         with self._lock:
             if inbox:
                 return
-            for output in self.engine.step():
-                route = self._inboxes.pop if output.finished else self._inboxes.get
-                route(output.request_id).append(output)
+            try:
+                outputs = self.engine.step()
+            except Exception as error:
+                self._route(self.engine.fail_everything(f"the engine failed while decoding: {type(error).__name__}"))
+                raise
+            self._route(outputs)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            route = self._inboxes.pop if output.finished else self._inboxes.get
+            route(output.request_id).append(output)
 
     def release(self, request_ids: list[str]) -> None:
         """Aborts a caller's requests still in the engine (it stopped early); once no caller has

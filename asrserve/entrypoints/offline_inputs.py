@@ -18,7 +18,7 @@ def is_single(audio) -> bool:
 def input_sources(audio, language) -> Iterable:
     """`audio` as inputs: a list, or the iterable itself where it has no length and one
     language is given for all (a generator of files is read as the engine makes room)."""
-    if audio is None or isinstance(audio, (bool, int, float)):
+    if audio is None or isinstance(audio, (bool, int, float, np.generic)):
         raise InvalidRequestError(f"audio must be a path, bytes, a file, an array or a list of them, got {audio!r}")
     if is_single(audio):
         return [audio]

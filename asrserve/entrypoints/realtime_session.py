@@ -96,7 +96,9 @@ class RealtimeSession:
             probs = await self.run_vad(self.vad.push, samples)
             first = self.vad.num_windows - len(probs)
             for turn in self.turns.feed(probs, first):
-                await self.tasks.room()  # one append of minutes may hold a hundred turns
+                if not self.tasks.has_room:  # one append of minutes may hold a hundred turns
+                    self._cancel_interim()  # (it would read the turns after this one into it)
+                    await self.tasks.room()
                 if self.tasks.closed:  # the client left while it waited
                     return
                 await self._on_turn(turn)
@@ -330,6 +332,8 @@ class RealtimeSession:
 
     async def end_for_shutdown(self) -> None:
         """The server stops: commits the open turn; returns once every committed item is done."""
+        if self.tasks.closed:  # the client is gone: nothing to tell it
+            return
         if self.item is not None and self.audio.end - self.item.start >= MIN_COMMIT_SAMPLES:
             await self._commit({})
         if self._last_completion is not None:
