@@ -165,23 +165,28 @@ def test_only_a_prefix_s_last_two_vad_pieces_can_change(padding_ms, max_gap_ms, 
     """The locality the cutter relies on (vad_regions.piece_spans), over random probabilities
     and prefixes ending anywhere: every span of a prefix but its last two is a span of the
     whole, whatever comes after."""
-    from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+    from asrserve.audio.vad_regions import WINDOW
 
     rng = np.random.default_rng(padding_ms)
     for _ in range(40):
         probs = _random_probabilities(rng)
         samples = rng.normal(0, 0.1, len(probs) * WINDOW).astype(np.float32)
-        whole = RegionFinder(0.5, 200, 100)
-        whole.feed(probs)
-        spans = piece_spans(whole.regions + whole.open_region(len(samples)), probs, samples, len(samples), padding_ms,
-                            max_gap_ms=max_gap_ms, lookback_ms=lookback_ms)
+        spans = _prefix_spans(probs, samples, len(probs), padding_ms, max_gap_ms=max_gap_ms, lookback_ms=lookback_ms)
         for windows in rng.integers(1, len(probs), 30):
-            prefix = RegionFinder(0.5, 200, 100)
-            prefix.feed(probs[:windows])
-            end = int(windows) * WINDOW
-            settled = piece_spans(prefix.regions + prefix.open_region(end), probs[:windows], samples[:end], end,
-                                  padding_ms, max_gap_ms=max_gap_ms, lookback_ms=lookback_ms)[:-2]
+            settled = _prefix_spans(probs, samples, int(windows), padding_ms, max_gap_ms=max_gap_ms,
+                                    lookback_ms=lookback_ms)[:-2]
             assert settled == spans[: len(settled)]
+
+
+def _prefix_spans(probs: np.ndarray, samples: np.ndarray, windows: int, padding_ms: float, **options):
+    """piece_spans of the audio's first `windows` windows, as the cutter computes them."""
+    from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+
+    finder = RegionFinder(0.5, 200, 100)
+    finder.feed(probs[:windows])
+    end = windows * WINDOW
+    return piece_spans(finder.regions + finder.open_region(end), probs[:windows], samples[:end], end, padding_ms,
+                       **options)
 
 
 def test_a_blip_the_whole_audio_drops_does_not_move_a_cut_in_a_prefix():
@@ -190,7 +195,7 @@ def test_a_blip_the_whole_audio_drops_does_not_move_a_cut_in_a_prefix():
     too short by the whole audio) and speech again at 60 s. The blip pulled the region before
     it in by half the gap, and a prefix moved a cut the whole audio did not: three pieces from
     the end, a 500 for the upload ("pieces sent early ... differ")."""
-    from asrserve.audio.vad_regions import WINDOW, RegionFinder, piece_spans
+    from asrserve.audio.vad_regions import WINDOW
 
     def window(seconds: float) -> int:
         return int(round(seconds * SR / WINDOW))
@@ -200,16 +205,9 @@ def test_a_blip_the_whole_audio_drops_does_not_move_a_cut_in_a_prefix():
     for start, end in [(0.5, 21.0), (23.0, 29.0), (29.5, 52.5), (blip, blip + 0.064), (60.0, 70.0)]:
         probs[window(start) : window(end)] = 0.9
     samples = np.zeros(len(probs) * WINDOW, np.float32)
-
-    def spans(windows: int) -> list[tuple[int, int]]:
-        finder = RegionFinder(0.5, 200, 100)
-        finder.feed(probs[:windows])
-        end = windows * WINDOW
-        return piece_spans(finder.regions + finder.open_region(end), probs[:windows], samples[:end], end, 300)
-
-    whole = spans(len(probs))
+    whole = _prefix_spans(probs, samples, len(probs), 300)
     for windows in range(1, len(probs)):
-        settled = spans(windows)[:-2]
+        settled = _prefix_spans(probs, samples, windows, 300)[:-2]
         assert settled == whole[: len(settled)], windows * WINDOW / SR
 
 

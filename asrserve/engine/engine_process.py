@@ -161,8 +161,8 @@ class EngineLoop:
         self._encoder_batches_sent: Counter[int] = Counter()
         self._memory_released = True  # nothing has been freed yet
         self.unreadable_message = False  # it stopped on a message it could not read: a failure
-        self.failed_steps = 0  # in a row
-        self.total_failed_steps = 0
+        self.failed_steps_in_a_row = 0
+        self.failed_steps = 0  # since start
 
     def run(self) -> None:
         threading.Thread(target=self._read_inbox, name="engine-inbox", daemon=True).start()
@@ -198,9 +198,9 @@ class EngineLoop:
         try:
             outputs = self.core.step()
         except Exception as error:
+            self.failed_steps_in_a_row += 1
             self.failed_steps += 1
-            self.total_failed_steps += 1
-            if self.failed_steps >= MAX_FAILED_STEPS:
+            if self.failed_steps_in_a_row >= MAX_FAILED_STEPS:
                 raise
             # One request's bug (an input no test had) used to end the engine, and with it every
             # request on the server and the server itself. The requests in the step fail as
@@ -208,7 +208,7 @@ class EngineLoop:
             logger.exception("an engine step failed: the %d requests in the engine fail, the engine goes on",
                              len(self.core.scheduler.requests))
             return self.core.fail_everything(f"the engine failed while decoding: {type(error).__name__}")
-        self.failed_steps = 0
+        self.failed_steps_in_a_row = 0
         return outputs
 
     def _read_inbox(self) -> None:
@@ -261,6 +261,6 @@ class EngineLoop:
             num_preemptions=core.scheduler.num_preemptions,
             draft_tokens_checked=core.scheduler.drafts.checked,
             draft_tokens_accepted=core.scheduler.drafts.accepted,
-            failed_steps=self.total_failed_steps,
+            failed_steps=self.failed_steps,
             encoder_batch_sizes=dict(new_batches),
         )
