@@ -32,6 +32,11 @@ PAGE_HEADERS = {
 }
 
 
+# An empty inline icon: without one, every browser that opens a page asks for /favicon.ico and
+# the server logs a 404 for it.
+NO_ICON = '<link rel="icon" href="data:,">'
+
+
 def load_assets() -> dict[str, tuple[bytes, str]]:
     """Every playground file by name, with its content type, read once at start-up."""
     return {
@@ -49,7 +54,7 @@ def index_page(state: ServerState) -> str:
         links.insert(0, ("playground", "playground: transcribe a file or your microphone"))
     items = "\n".join(f'<li><a href="{href}">{html.escape(text)}</a></li>' for href, text in links)
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>asrserve</title></head>
+<html lang="en"><head><meta charset="utf-8"><title>asrserve</title>{NO_ICON}</head>
 <body>
 <h1>asrserve {__version__}</h1>
 <p>An OpenAI-compatible speech-to-text server serving <b>{models}</b>.
