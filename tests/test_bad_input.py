@@ -289,6 +289,19 @@ def test_tiny_and_silent_audio_is_a_sane_200(server, then_good):
             assert body["text"] == ""  # silence is judged silence: nothing is made up
             if response_format == "verbose_json":
                 assert body["segments"] == [] and body["duration"] == pytest.approx(seconds, abs=1e-3)
+    # Silence that is not zeros: G.711 A-law's idle code (A-law has no zero; it decodes to 8
+    # steps of 16-bit PCM), a constant offset of 4 steps, a 16-bit recording's last bit
+    # flickering. tiny.en read "you" into the first two.
+    flicker = np.random.default_rng(0).integers(-1, 2, 10 * SAMPLE_RATE) / 32768
+    silences = {
+        "alaw.wav": _encode(np.zeros(80_000, np.float32), 8000, "WAV", "ALAW"),
+        "offset.wav": _encode(np.full(10 * SAMPLE_RATE, 4, np.int16), SAMPLE_RATE, "WAV"),
+        "flicker.flac": _encode(flicker, SAMPLE_RATE, "FLAC"),
+    }
+    for name, content in silences.items():
+        for response_format in ("json", "verbose_json"):
+            response = _post(server, files={"file": (name, content)}, data={"response_format": response_format})
+            assert response.status_code == 200 and response.json()["text"] == "", (name, response.text)
     # Too short to hold a word, however loud: Whisper read "you" into a one-sample click.
     for clip in (np.array([0.5], np.float32), np.full(SAMPLE_RATE // 20, 0.3, np.float32)):
         response = _post(server, files={"file": ("click.wav", _encode(clip, SAMPLE_RATE, "WAV"))},
