@@ -93,6 +93,44 @@ def test_a_flac_cut_off_after_its_first_blocks_keeps_what_it_holds(tmp_path):
     np.testing.assert_array_equal(samples[: seen[0]], load_audio(data)[: seen[0]])
 
 
+
+def test_a_damaged_frame_in_the_middle_of_a_flac_is_skipped_not_the_rest():
+    """Twenty bytes flipped halfway through a FLAC (a bit error in transit): everything after
+    them was lost, with a 200. The frames that cannot be read are silence, the rest is there,
+    where it was; a FLAC cut off at the same point still keeps what it holds."""
+    rate, seconds = 16_000, 200
+    noise = np.random.default_rng(1).uniform(-0.5, 0.5, rate * seconds).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, noise, rate, format="FLAC")
+    data = buffer.getvalue()
+    damaged = bytearray(data)
+    for k in range(20):
+        damaged[len(data) // 2 + k] ^= 0xA5
+    whole, samples = load_audio(data), load_audio(bytes(damaged))
+    assert len(samples) == len(whole)
+    differ = np.flatnonzero(samples != whole)
+    assert 0 < len(differ) <= 2 * 4096 and not samples[differ].any()  # a frame or two, silent
+    assert 0.4 * seconds < differ[0] / rate < 0.6 * seconds
+    cut = load_audio(data[: len(data) // 2])
+    assert 0.45 * seconds < len(cut) / rate < 0.55 * seconds
+
+
+@pytest.mark.parametrize("subtype", ["VORBIS", "OPUS"])
+def test_a_chained_ogg_file_is_read_whole(subtype):
+    """Ogg files joined byte for byte (a radio stream's recording, `cat a.ogg b.ogg`) are one
+    chained stream: libsndfile read the first file only, and its length was the whole's."""
+    if subtype not in soundfile.available_subtypes("OGG"):
+        pytest.skip(f"this libsndfile writes no Ogg {subtype}")
+    parts = []
+    for seconds, freq in ((3, 440.0), (4, 660.0)):
+        buffer = io.BytesIO()
+        soundfile.write(buffer, tone(seconds, 48_000, freq), 48_000, format="OGG", subtype=subtype)
+        parts.append(buffer.getvalue())
+    samples = load_audio(b"".join(parts))
+    assert abs(len(samples) / SAMPLE_RATE - 7.0) < 0.1
+    assert np.sqrt(np.mean(samples[-SAMPLE_RATE:] ** 2)) > 0.1  # the second file's tone, not silence
+
+
 @pytest.mark.parametrize("codec", [["-c:a", "libmp3lame", "-q:a", "6", "-write_xing", "0", "-f", "mp3"],
                                    ["-c:a", "aac", "-q:a", "2", "-f", "adts"]], ids=["mp3", "adts-aac"])
 def test_an_estimated_length_neither_refuses_nor_is_reported(codec):
@@ -439,3 +477,24 @@ def test_a_file_name_that_is_not_utf8_is_read(tmp_path):
     name = os.fsencode(tmp_path) + b"/caf\xe9.flac"
     soundfile.write(name, tone(1.0, SR), SR, format="FLAC")
     assert len(load_audio(os.fsdecode(name))) == SR
+
+
+def test_ffmpeg_opens_no_file_an_upload_names(tmp_path, monkeypatch):
+    """ffmpeg picks its demuxer by probing the bytes: a concat script ("file a.ts") or a playlist
+    would open the files it names, from the working directory. Only audio and video containers
+    are read, in memory; the error is the same whether a named file exists or not."""
+    require_ffmpeg()
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-f", "lavfi", "-i", "sine=frequency=440:duration=2",
+                    "-f", "mpegts", "a.ts"], check=True)
+    assert abs(len(load_audio("a.ts")) / SAMPLE_RATE - 2.0) < 0.1  # a real container, read as a file
+    messages = []
+    for script in (b"ffconcat version 1.0\nfile a.ts\n", b"ffconcat version 1.0\nfile missing.ts\n",
+                   b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:2,\na.ts\n#EXT-X-ENDLIST\n"):
+        with pytest.raises(AudioError) as caught:
+            load_audio(script)
+        messages.append(str(caught.value))
+        (tmp_path / "script.txt").write_bytes(script)  # and as a local file, offline
+        with pytest.raises(AudioError):
+            load_audio("script.txt")
+    assert messages[0] == messages[1], messages  # a.ts exists, missing.ts does not

@@ -243,10 +243,12 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
     start = source.tell() if hasattr(source, "tell") else None
     try:
         with soundfile.SoundFile(source) as file:
-            if file.format == "MP3":
+            if file.format in ("MP3", "OGG"):
                 # libsndfile stops an MP3 at its frame count, which is an estimate from the first
                 # frame unless a Xing header gives it (a VBR file without one lost its last 75
-                # s), and at the first damaged frame without an error: ffmpeg reads MP3 whole.
+                # s), and at the first damaged frame without an error; it reads an Ogg file's
+                # first stream only, so of a chained one (Ogg files joined: a radio stream's
+                # recording) the first file. ffmpeg reads both whole.
                 raise _NotForLibsndfile
             if file.frames == 0:  # a header whose data size was never written (a recorder cut off): ffmpeg reads on
                 raise _NotForLibsndfile
@@ -262,7 +264,7 @@ def _decode_soundfile(source, max_duration_s: float | None, on_progress: _Progre
                 except soundfile.LibsndfileError:
                     if not resampler.num_frames:
                         raise  # not a file libsndfile reads after all: ffmpeg tries it
-                    _read_up_to_the_damage(source, start, resampler)
+                    _read_up_to_the_damage(source, start, resampler, declared, file.channels)
                     break
                 if not len(block):
                     break
@@ -279,22 +281,50 @@ class _NotForLibsndfile(Exception):
 
 
 SALVAGE_FRAMES = 4096
+MAX_DAMAGE_SKIPPED = 64  # steps of SALVAGE_FRAMES: a damaged frame is skipped, a file cut off is not tried for long
 
 
-def _read_up_to_the_damage(source, start: int | None, resampler: MonoResampler) -> None:
-    """A file that breaks off after blocks were decoded (a truncated upload: "flac decoder lost
-    sync") keeps what it holds, as ffmpeg keeps a truncated MP3's frames: the failed block is
+def _read_up_to_the_damage(source, start: int | None, resampler: MonoResampler, declared: int, channels: int) -> None:
+    """A file that breaks off after blocks were decoded keeps what it holds: the failed block is
     read again in small steps up to the damage, through a new handle (the failed one cannot
-    seek). Starting again in ffmpeg would send the pieces already cut a second time."""
+    seek). Starting again in ffmpeg would send the pieces already cut a second time. Where the
+    header says more frames follow (`declared`), the damage may be a frame or two (a flipped
+    bit in transit: the second half of a 213 s FLAC was lost): the frames from there that
+    cannot be read become silence, as long as frames after them can, as ffmpeg skips a damaged
+    frame. A truncated upload ("flac decoder lost sync") keeps what came."""
+    skipped_steps = 0
+    while True:
+        if start is not None:
+            source.seek(start)
+        try:
+            with soundfile.SoundFile(source) as file:
+                file.seek(resampler.num_frames)
+                while len(block := file.read(SALVAGE_FRAMES, dtype="float32", always_2d=True)):
+                    resampler.add(block)
+                return  # read to the end
+        except soundfile.LibsndfileError:
+            pass
+        # Unreadable at resampler.num_frames: is there a frame after it?
+        while True:
+            skipped_steps += 1
+            position = resampler.num_frames + skipped_steps * SALVAGE_FRAMES
+            if skipped_steps > MAX_DAMAGE_SKIPPED or position >= declared:
+                return
+            if _readable_at(source, start, position):
+                resampler.add(np.zeros((position - resampler.num_frames, channels), np.float32))
+                skipped_steps = 0
+                break
+
+
+def _readable_at(source, start: int | None, position: int) -> bool:
     if start is not None:
         source.seek(start)
     try:
         with soundfile.SoundFile(source) as file:
-            file.seek(resampler.num_frames)
-            while len(block := file.read(SALVAGE_FRAMES, dtype="float32", always_2d=True)):
-                resampler.add(block)
+            file.seek(position)
+            return len(file.read(SALVAGE_FRAMES, dtype="float32")) > 0
     except soundfile.LibsndfileError:
-        pass
+        return False
 
 
 def _check_duration(duration_s: float, max_duration_s: float | None, of_what: str = "") -> None:

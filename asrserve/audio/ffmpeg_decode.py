@@ -11,14 +11,34 @@ import numpy as np
 from asrserve.audio.decode import BLOCK_SAMPLES, AudioError, MonoResampler, one_line
 
 ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC and MP3 streams
+# The only demuxers ffmpeg may pick for an upload: audio and video containers, which read the
+# bytes they are given. Others open files or URLs the bytes name (a concat script, an HLS or
+# DASH playlist, an image sequence): an uploaded concat script "file a.ts" read a.ts from the
+# server's working directory, and the errors told a client which files exist there. Nor may a
+# demuxer open anything by protocol: an upload is read from memory, a local path as a file.
+ALLOWED_DEMUXERS = ",".join([
+    "aac", "ac3", "eac3", "aiff", "amr", "amrnb", "amrwb", "ape", "asf", "au", "avi", "caf", "dsf", "dts",
+    "dtshd", "dv", "flac", "flv", "g722", "g723_1", "g729", "gsm", "ilbc", "loas", "matroska", "mlp",
+    "mov", "mp3", "mpc", "mpc8", "mpeg", "mpegts", "mxf", "nut", "ogg", "qcp", "rm", "sox", "truehd",
+    "tta", "voc", "w64", "wav", "wv", "xwma",
+])
 
 
 def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[np.ndarray, float], None]) -> np.ndarray:
     """16 kHz mono float32 samples of a file ffmpeg reads (on_progress: see decode.MonoResampler)."""
     import av
 
+    is_path = isinstance(source, (str, Path))
+    options = {"format_whitelist": ALLOWED_DEMUXERS, "protocol_whitelist": "file" if is_path else "none"}
     try:
-        with av.open(source if not isinstance(source, Path) else str(source), mode="r") as container:
+        container = av.open(str(source) if is_path else source, mode="r", container_options=options)
+    except av.ArgumentError:  # what ffmpeg answers for a demuxer that is not on the list
+        raise AudioError("could not decode audio: not an audio or video file asrserve reads (playlists, "
+                         "concat scripts and image sequences are refused)") from None
+    except (av.FFmpegError, ValueError, UnicodeDecodeError) as error:
+        raise _unreadable(error) from None
+    try:
+        with container:
             if not container.streams.audio:
                 raise AudioError("could not decode audio: the file has no audio stream")
             stream = container.streams.audio[0]
@@ -60,8 +80,14 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
     except AudioError:
         raise
     except (av.FFmpegError, ValueError, IndexError, UnicodeDecodeError) as error:
-        message = f"could not decode audio: not a format libsndfile or ffmpeg reads ({one_line(error)})"
-        raise AudioError(message) from None
+        raise _unreadable(error) from None
+
+
+def _unreadable(error: Exception) -> AudioError:
+    # ffmpeg's own words ("Invalid data found when processing input"), without PyAV's errno and
+    # '<none>' file name around them.
+    reason = getattr(error, "strerror", None) or one_line(error)
+    return AudioError(f"could not decode audio: not a format libsndfile or ffmpeg reads ({reason})")
 
 
 class _Blocks:
