@@ -393,6 +393,22 @@ def test_a_piece_full_at_a_pause_inside_a_sentence_ends_at_a_longer_pause_before
     assert "what your country can do for you" in " ".join(_words(text)), text
 
 
+def test_a_short_file_that_opens_on_a_long_pause_is_timed_where_its_speech_is(asr, speech_audio):
+    """20 s of silence, then a sentence: Whisper timed the sentence 0.0-5 s (its first timestamp
+    falls in a window's first second) and ended, and seek continuation read it again at 20 s;
+    verbose_json had it twice. The file is decoded from its first speech: once, where it is."""
+    speech = speech_audio[1]
+    for lead_s, quiet in ((20, np.zeros(20 * 16_000, np.float32)),
+                          (8, np.random.default_rng(5).normal(0, 1e-3, 8 * 16_000).astype(np.float32))):
+        audio = np.concatenate([quiet, speech])
+        (plain,) = asr.transcribe(speech)
+        (timed,) = asr.transcribe(audio, timestamps=True, word_timestamps=True)
+        # Once (a word may read differently with timestamps, or from a window that starts later).
+        assert abs(len(_words(timed.text)) - len(_words(plain.text))) <= 2, (lead_s, timed.text, plain.text)
+        assert timed.segments[0].start >= lead_s - 0.5 and timed.words[0].start >= lead_s - 0.5, timed.segments
+        assert timed.duration == pytest.approx(len(audio) / 16_000)
+
+
 def test_mostly_silence_decodes_only_the_speech_with_vad(asr, speech_audio):
     """Ten minutes of room noise with three sentences: "auto" cuts at voice activity, returns
     the three sentences and sends the engine a small fraction of the ten minutes."""

@@ -92,6 +92,27 @@ def test_audio_of_30_s_or_less_is_one_piece_only_at_the_end(speech_audio):
     assert _bounds(cutter.finish(audio)) == [(0, N_SAMPLES)]
 
 
+@needs_silero
+def test_a_short_file_that_opens_on_a_pause_is_decoded_from_its_first_speech(speech_audio):
+    """Whisper times a window's first segment in its first second, whatever pause it opens on:
+    a file of 30 s or less starts, as a VAD piece does, at its first speech less the padding."""
+    speech = speech_audio[1]
+    rng = np.random.default_rng(3)
+    for lead_s, quiet in ((20, np.zeros(20 * SR, np.float32)), (6, rng.normal(0, 1e-3, 6 * SR).astype(np.float32))):
+        audio = np.concatenate([quiet, speech])
+        for strategy in (ChunkingStrategy("server_vad"), ChunkingStrategy("server_vad", prefix_padding_ms=800)):
+            (piece,) = PieceCutter(strategy).finish(audio)
+            padding = (strategy.prefix_padding_ms or 300) / 1000
+            assert (lead_s - padding - 0.3) * SR <= piece.offset <= (lead_s - padding + 0.3) * SR, (lead_s, piece.offset)
+            assert piece.offset + len(piece.samples) == len(audio)  # to the end, as before
+        # The energy strategy runs no VAD: the whole file, as before.
+        assert PieceCutter(ChunkingStrategy("energy")).finish(audio)[0].offset == 0
+    # Speech from the start, or after a pause too short for Whisper to mistime: the whole file.
+    for lead_s in (0.0, 0.8):
+        audio = np.concatenate([np.zeros(int(lead_s * SR), np.float32), speech])
+        assert PieceCutter(ChunkingStrategy("server_vad")).finish(audio)[0].offset == 0
+
+
 def _flac(audio: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     soundfile.write(buffer, audio, SR, format="FLAC")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from asrserve.audio.chunking import AudioPiece, ChunkingStrategy, QuietPointCut
+from asrserve.audio.chunking import AudioPiece, ChunkingStrategy, QuietPointCut, first_sound
 from asrserve.audio.vad_regions import CUT_LOOKBACK_MS, WINDOW, RegionFinder, piece_spans
-from asrserve.config import N_SAMPLES
+from asrserve.config import N_SAMPLES, SAMPLE_RATE
 
 SPANS_LEFT_OPEN = 2  # a prefix's last two VAD pieces may still change (vad_regions.piece_spans)
 # A VAD piece also ends before a pause at least this long (None: pieces fill up to 30 s).
@@ -21,6 +21,10 @@ SPANS_LEFT_OPEN = 2  # a prefix's last two VAD pieces may still change (vad_regi
 MAX_GAP_MS: float | None = None
 # A full VAD piece ends at the longest pause in its last this many ms (None: at its last pause).
 LOOKBACK_MS: float | None = CUT_LOOKBACK_MS
+# A file of 30 s or less whose first sound comes this late is decoded from its first speech (see
+# PieceCutter._speech_start), if that is at least MIN_LEAD_SKIPPED_S in.
+LEADING_PAUSE_S = 1.5
+MIN_LEAD_SKIPPED_S = 1.0
 
 
 class PieceCutter:
@@ -48,7 +52,8 @@ class PieceCutter:
         if len(samples) <= N_SAMPLES:
             if self.sent:
                 raise RuntimeError("pieces were sent for audio that turned out to be 30 s or less")
-            return self._send([AudioPiece(0, samples)])
+            start = self._speech_start(samples)
+            return self._send([AudioPiece(start, samples[start:])])
         if self._quiet_points is not None:
             return self._send(self._quiet_points.cut(samples, final=True))
         spans = self._vad().spans(samples, final=True)
@@ -56,6 +61,24 @@ class PieceCutter:
         if sent != self.sent:  # a bug in the locality piece_spans relies on: fail, never send other text
             raise RuntimeError(f"pieces sent early {self.sent} differ from the whole audio's {sent}")
         return self._send(_pieces(samples, spans[len(self.sent) :]))
+
+    def _speech_start(self, samples: np.ndarray) -> int:
+        """Where a file of 30 s or less is decoded from: its start or, when it opens on a pause,
+        its first speech less the padding, as long audio's VAD pieces start. Whisper puts a
+        window's first timestamp in its first second, so a sentence after 20 s of quiet was
+        timed 0.0-8.7 s (its words squashed into the end of that), and seek continuation then
+        read it again where it is. An energy check comes first, so that most files never run
+        Silero; one that opens quietly but with speech Silero hears keeps its start, and so does
+        every file where Silero cannot be loaded or the strategy is energy."""
+        sound = first_sound(samples, samples)
+        if self._quiet_points is not None or sound is None or sound < LEADING_PAUSE_S * SAMPLE_RATE:
+            return 0
+        try:
+            spans = self._vad().spans(samples, final=True)
+        except ImportError:  # vad.VADUnavailableError: no Silero in this install
+            return 0
+        start = spans[0][0] if spans else 0
+        return start if start >= MIN_LEAD_SKIPPED_S * SAMPLE_RATE else 0
 
     def _vad(self) -> _IncrementalVad:
         if self._vad_spans is None:
