@@ -263,6 +263,24 @@ def test_a_long_prompt_is_tokenized_from_its_end_with_the_tokens_the_whole_gives
     assert len(tokens) >= MAX_PROMPT_TOKENS and tokens == whole[-len(tokens):]
 
 
+def test_logprob_bytes_are_each_token_s_own_bytes(tokenizer):
+    """OpenAI's logprobs carry each token's bytes so that a character split across tokens can be
+    put together again: the bytes of a text's tokens joined are the text, where each token's
+    decoded text of a split character is U+FFFD."""
+    from asrserve.entrypoints.live_decode import logprob_entry
+
+    text = " スウンネ über naïve 你好, 🎉 done\n"
+    tokens = tokenizer.encode(text)
+    entries = [logprob_entry(tokenizer, token, -0.5) for token in tokens]
+    assert any("\ufffd" in entry["token"] for entry in entries)  # the text does split characters
+    assert bytes(b for entry in entries for b in entry["bytes"]).decode("utf-8") == text
+    # Where a token decodes whole, its bytes are its text.
+    for token in range(0, tokenizer.special.eot, 7):
+        decoded = tokenizer.decode([token])
+        if "\ufffd" not in decoded:
+            assert tokenizer.token_bytes(token) == decoded.encode("utf-8"), token
+
+
 def test_words_keep_punctuation_with_their_word(tokenizer):
     text = ' Hello, world! She said "yes" (twice) and left.'
     tokens = tokenizer.encode(text)
@@ -313,6 +331,20 @@ def test_words_stay_in_order_inside_their_segment():
     assert all(piled.start <= w.start < w.end <= piled.end for w in words), words
     assert all(a.end <= b.start for a, b in zip(words, words[1:])), words
     assert words[0].start == pytest.approx(11.5)  # room is made at the end, not by moving all
+
+
+def test_a_segment_s_first_word_that_swallowed_a_pause_is_cut_from_its_start():
+    """After a pause the alignment starts a segment's first word where the pause does: "Mr."
+    8.0-8.52 came back 0.0-0.52 (cut from its end, as a sentence's last word is), with
+    "Quilter" at 8.98. Words that end a sentence later in a segment are still cut from their end."""
+    from asrserve.entrypoints.segments import Segment, Word, _tidy_words
+
+    segment = Segment(0, 0, 0.0, 12.0, "", [], 0.0, 0.0, 1.0, 0.0, words=[
+        Word("Mr.", 0.0, 8.5), Word("Quilter", 8.98, 9.4), Word("spoke.", 9.4, 11.5), Word("Yes", 11.6, 11.9)])
+    _tidy_words([segment], [0.3] * 4)
+    first, _, sentence_end, _ = segment.words
+    assert first.end == pytest.approx(8.5) and first.start == pytest.approx(8.5 - 0.6)
+    assert sentence_end.start == pytest.approx(9.4) and sentence_end.end == pytest.approx(10.0)
 
 
 def test_timestamp_formats():

@@ -133,8 +133,7 @@ def draft_after(previous: list[int] | None, sent: list[int]) -> list[int] | None
 
 def logprob_entry(tokenizer: WhisperTokenizer, token: int, logprob: float) -> dict:
     """One token's entry in a delta's or completed's `logprobs` (OpenAI's shape)."""
-    text = tokenizer.decode([token])
-    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+    return {"token": tokenizer.decode([token]), "bytes": list(tokenizer.token_bytes(token)), "logprob": logprob}
 
 
 class WordBoundaries:

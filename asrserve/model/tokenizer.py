@@ -10,6 +10,7 @@ a special token we check that it agrees.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -122,6 +123,16 @@ class WhisperTokenizer:
         """Text of the ordinary tokens; special and timestamp tokens are dropped."""
         return self.tokenizer.decode([t for t in token_ids if t < self.special.eot], skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a text token stands for. Whisper's BPE is byte-level: a character split
+        across tokens (much of Japanese and Chinese) is part of its UTF-8 bytes in each, where
+        decode([token]) gives U+FFFD; joined, the bytes are the text again."""
+        piece = self.tokenizer.id_to_token(token)
+        table = _unicode_to_byte()
+        if piece is None or any(char not in table for char in piece):  # not a byte-level vocabulary
+            return self.decode([token]).encode("utf-8")
+        return bytes(table[char] for char in piece)
+
     def sot_sequence(
         self, language: str | None, task: str, timestamps: bool = False, previous_tokens: list[int] | None = None
     ) -> list[int]:
@@ -171,3 +182,15 @@ class WhisperTokenizer:
 
     def language_of(self, token_id: int) -> str:
         return self._language_by_id[token_id]
+
+
+@cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: the printable Latin-1 bytes
+    as themselves, the other 68 (controls, space, ...) as the characters from U+0100 on, in
+    byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(byte): byte for byte in printable}
+    others = [byte for byte in range(256) if byte not in set(printable)]
+    table |= {chr(256 + index): byte for index, byte in enumerate(others)}
+    return table
