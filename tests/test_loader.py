@@ -259,8 +259,10 @@ def test_tokenizer_and_weights_must_agree(tmp_path):
         load(str(tmp_path))
 
 
-def test_ctranslate2_int8_checkpoint(tmp_path):
-    """int8 weights with per-row scales, as `ct2-transformers-converter --quantization int8` writes."""
+def test_ctranslate2_int8_checkpoint(tmp_path, speech_files):
+    """int8 weights with per-row scales, as `ct2-transformers-converter --quantization int8` writes
+    them: the linears' and the decoder's token embeddings (which are its output projection too).
+    The embeddings used to be read raw: every request a 200 with empty text."""
     import numpy as np
 
     from asrserve.model import ctranslate2
@@ -270,7 +272,7 @@ def test_ctranslate2_int8_checkpoint(tmp_path):
     del variables["decoder/projection/weight"]  # an alias of the embeddings; we write no aliases
     quantized = {}
     for name, array in variables.items():
-        if name.endswith("linear_0/weight") and array.ndim == 2:
+        if (name.endswith("linear_0/weight") or name == "decoder/embeddings/weight") and array.ndim == 2:
             weight = array.astype(np.float32)
             scale = 127.0 / np.maximum(np.abs(weight).max(axis=1), 1e-8)
             quantized[name] = np.round(weight * scale[:, None]).astype(np.int8)
@@ -285,3 +287,11 @@ def test_ctranslate2_int8_checkpoint(tmp_path):
     name = "encoder.layers.0.mlp.fc1.weight"
     assert not torch.equal(loaded[name], reference[name])
     assert (loaded[name] - reference[name]).abs().max() <= reference[name].abs().max() / 127
+    embeddings = "decoder.embed_tokens.weight"
+    assert (loaded[embeddings] - reference[embeddings]).abs().max() <= reference[embeddings].abs().max() / 127
+    from asrserve.entrypoints.offline import ASR
+
+    (quantized_text,) = ASR(str(tmp_path), dtype="float32").transcribe(speech_files[1])
+    (reference_text,) = ASR(dtype="float32").transcribe(speech_files[1])
+    words, reference_words = quantized_text.text.lower().split(), reference_text.text.lower().split()
+    assert len(set(words) & set(reference_words)) >= 0.7 * len(reference_words), (quantized_text.text, reference_text.text)

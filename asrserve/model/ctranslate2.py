@@ -132,14 +132,16 @@ def to_hf_state_dict(variables: dict[str, np.ndarray]) -> dict[str, torch.Tensor
 
     try:
         for conv in ("conv1", "conv2"):
-            out[f"model.encoder.{conv}.weight"] = variables[f"encoder/{conv}/weight"]
+            out[f"model.encoder.{conv}.weight"] = _dequantize(variables, f"encoder/{conv}/weight")
             out[f"model.encoder.{conv}.bias"] = variables[f"encoder/{conv}/bias"]
         out["model.encoder.embed_positions.weight"] = variables["encoder/position_encodings/encodings"]
         norm("encoder/layer_norm", "model.encoder.layer_norm")
         for i in range(_count_layers(variables, "encoder")):
             self_attention_and_ffn(f"encoder/layer_{i}", f"model.encoder.layers.{i}")
 
-        out["model.decoder.embed_tokens.weight"] = variables["decoder/embeddings/weight"]
+        # Quantized too (per row, as a linear's weight) by `--quantization int8`: read raw, every
+        # token's embedding and logit came out in steps of one (the text empty or "was was was").
+        out["model.decoder.embed_tokens.weight"] = _dequantize(variables, "decoder/embeddings/weight")
         out["model.decoder.embed_positions.weight"] = variables["decoder/position_encodings/encodings"]
         norm("decoder/layer_norm", "model.decoder.layer_norm")
         for i in range(_count_layers(variables, "decoder")):
