@@ -367,6 +367,16 @@ def test_the_port_check_takes_ipv6_beside_an_ipv4_listener_as_asyncio_does():
         assert "cannot listen on 0.0.0.0:" in _cannot_listen("0.0.0.0", port)
 
 
+
+def test_the_start_up_log_gives_a_url_for_every_host():
+    from asrserve.entrypoints.api_server import served_url
+
+    assert served_url("0.0.0.0", 8000) == served_url("::", 8000) == "http://localhost:8000"
+    assert served_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    assert served_url("::1", 18309) == "http://[::1]:18309"  # was http://::1:18309
+    assert served_url("asr.internal", 8000) == "http://asr.internal:8000"
+
+
 # --- no engine needed -----------------------------------------------------------------------
 
 

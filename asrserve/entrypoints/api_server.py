@@ -181,12 +181,16 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     redact_keys_in_logs()  # uvicorn.Config has set logging up
     state.uvicorn_server = server
     server.state, server.realtime = state, app.state.realtime
-    display_host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
-    logger.info(
-        "asrserve %s serving %s at http://%s:%d (OpenAI base URL http://%s:%d/v1)",
-        __version__, state.model_name, display_host, config.port, display_host, config.port,
-    )
+    url = served_url(config.host, config.port)
+    logger.info("asrserve %s serving %s at %s (OpenAI base URL %s/v1)", __version__, state.model_name, url, url)
     server.run()
     if not server.started and state.exit_code == 0:
         return 1
     return state.exit_code
+
+
+def served_url(host: str, port: int) -> str:
+    """The address the start-up log gives: localhost for every interface; an IPv6 address in
+    brackets (http://::1:8000 is no URL)."""
+    host = "localhost" if host in ("0.0.0.0", "::", "") else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
