@@ -409,6 +409,20 @@ def test_a_short_file_that_opens_on_a_long_pause_is_timed_where_its_speech_is(as
         assert timed.duration == pytest.approx(len(audio) / 16_000)
 
 
+def test_with_word_times_a_segment_spans_its_words_not_the_pause_after_it(asr, speech_audio):
+    """A sentence, 10 s of silence, a sentence: Whisper's closing timestamp of the first ran over
+    the pause (0.0-16.2 s, its last word at 5.9 s). With word times a segment runs from its
+    first word to its last, as openai/whisper's transcribe has it."""
+    first, second = speech_audio[1], speech_audio[3]
+    audio = np.concatenate([first, np.zeros(10 * 16_000, np.float32), second])
+    spoken_until = np.flatnonzero(np.abs(first) > 1e-3)[-1] / 16_000
+    (result,) = asr.transcribe(audio, word_timestamps=True)
+    for segment in result.segments:
+        assert (segment.start, segment.end) == (segment.words[0].start, segment.words[-1].end), segment
+    before_pause = [s for s in result.segments if s.start < spoken_until]
+    assert before_pause and before_pause[-1].end <= spoken_until + 1.0, [(s.start, s.end, s.text) for s in result.segments]
+
+
 def test_mostly_silence_decodes_only_the_speech_with_vad(asr, speech_audio):
     """Ten minutes of room noise with three sentences: "auto" cuts at voice activity, returns
     the three sentences and sends the engine a small fraction of the ten minutes."""

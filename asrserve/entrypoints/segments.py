@@ -3,9 +3,9 @@
 A piece's tokens read <|t0|> text <|t1|><|t1'|> text <|t2|> ...: each pair of timestamps
 brackets one segment (times from the piece's start; the piece's offset makes them absolute).
 Text left open at the end (the decode stopped before a closing timestamp) ends with the
-piece, or with its last word where words are timed; a segment max_completion_tokens cut
-keeps its closing timestamp, or ends with its last word where words are timed. Word times come from the engine's
-alignment (DecodeSummary.token_times)."""
+piece; a segment max_completion_tokens cut keeps its closing timestamp. Where words are timed,
+a segment runs from its first word's start to its last word's end. Word times come from the
+engine's alignment (DecodeSummary.token_times)."""
 
 from __future__ import annotations
 
@@ -144,9 +144,12 @@ def _add_words(tokenizer: WhisperTokenizer, piece: PieceResult, segments: list[S
                 segment.words.append(Word(text.strip(), piece.offset_s + start, piece.offset_s + end))
                 durations.append(end - start)
     _tidy_words(segments, durations)
+    # With word times a segment spans its words, as openai/whisper's transcribe has it: Whisper's
+    # own timestamps run over pauses (a sentence before 10 s of quiet "ended" at 16.2 s, its last
+    # word at 5.9 s), and text left open or cut by a token limit has none at its end.
     for segment in segments:
-        if segment.left_open and segment.words:  # (cut by max_completion_tokens, or by the token limit)
-            segment.end = max(segment.words[-1].end, segment.start + MIN_DURATION_S)
+        if segment.words:
+            segment.start, segment.end = segment.words[0].start, segment.words[-1].end
 
 
 def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
