@@ -425,7 +425,7 @@ def test_max_tokens_keeps_word_times(asr, speech_files):
 
 
 def test_digital_silence_is_answered_without_the_model(asr, speech_files, monkeypatch):
-    # Zeros (and anything within 16 steps of 16-bit PCM of its mean) would be magnified by the log-mel's
+    # Zeros (and anything within a span of 32 steps of 16-bit PCM) would be magnified by the log-mel's
     # normalisation into noise tiny.en reads words in; such pieces never reach the model.
     speech = load_audio(speech_files[1])
     silence = np.zeros(35 * 16_000, np.float32)
