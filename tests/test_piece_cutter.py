@@ -98,8 +98,11 @@ def test_a_short_file_that_opens_on_a_pause_is_decoded_from_its_first_speech(spe
     a file of 30 s or less starts, as a VAD piece does, at its first speech less the padding."""
     speech = speech_audio[1]
     rng = np.random.default_rng(3)
-    for lead_s, quiet in ((20, np.zeros(20 * SR, np.float32)), (6, rng.normal(0, 1e-3, 6 * SR).astype(np.float32))):
-        audio = np.concatenate([quiet, speech])
+    # (The last: noise at -60 dBFS before two seconds of speech, most of the file and its usual level.)
+    for lead_s, quiet, said in ((20, np.zeros(20 * SR, np.float32), speech),
+                                (6, rng.normal(0, 1e-3, 6 * SR).astype(np.float32), speech),
+                                (27, rng.normal(0, 1e-3, 27 * SR).astype(np.float32), speech[: 2 * SR])):
+        audio = np.concatenate([quiet, said])
         for strategy in (ChunkingStrategy("server_vad"), ChunkingStrategy("server_vad", prefix_padding_ms=800)):
             (piece,) = PieceCutter(strategy).finish(audio)
             padding = (strategy.prefix_padding_ms or 300) / 1000

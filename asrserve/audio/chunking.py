@@ -144,15 +144,15 @@ def has_sound(region: np.ndarray, reference: np.ndarray) -> bool:
 
 def first_sound(region: np.ndarray, reference: np.ndarray) -> int | None:
     """Offset in `region` of its first 100 ms window that has_sound counts (None: none)."""
-    region_rms = _window_rms(region)
-    reference_rms = _window_rms(reference)
+    region_rms = window_rms(region)
+    reference_rms = window_rms(reference)
     if not len(region_rms) or not len(reference_rms):
         return None
     loud = np.flatnonzero((region_rms >= 0.1 * np.percentile(reference_rms, 90)) & (region_rms > 1e-4))
     return int(loud[0]) * WINDOW_SAMPLES if len(loud) else None
 
 
-def _window_rms(samples: np.ndarray) -> np.ndarray:
+def window_rms(samples: np.ndarray) -> np.ndarray:
     """RMS of consecutive 100 ms windows."""
     count = len(samples) // WINDOW_SAMPLES
     windows = samples[: count * WINDOW_SAMPLES].astype(np.float64).reshape(count, WINDOW_SAMPLES)

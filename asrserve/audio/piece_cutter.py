@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asrserve.audio.chunking import AudioPiece, ChunkingStrategy, QuietPointCut, first_sound
+from asrserve.audio.chunking import WINDOW_SAMPLES, AudioPiece, ChunkingStrategy, QuietPointCut, window_rms
 from asrserve.audio.vad_regions import CUT_LOOKBACK_MS, WINDOW, RegionFinder, piece_spans
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
 
@@ -21,9 +21,11 @@ SPANS_LEFT_OPEN = 2  # a prefix's last two VAD pieces may still change (vad_regi
 MAX_GAP_MS: float | None = None
 # A full VAD piece ends at the longest pause in its last this many ms (None: at its last pause).
 LOOKBACK_MS: float | None = CUT_LOOKBACK_MS
-# A file of 30 s or less whose first sound comes this late is decoded from its first speech (see
-# PieceCutter._speech_start), if that is at least MIN_LEAD_SKIPPED_S in.
+# A file of 30 s or less whose first LEADING_PAUSE_S are quieter than QUIET_LEAD times its
+# loudest 100 ms (20 dB down) is decoded from its first speech (PieceCutter._speech_start), if
+# that is at least MIN_LEAD_SKIPPED_S in.
 LEADING_PAUSE_S = 1.5
+QUIET_LEAD = 0.1
 MIN_LEAD_SKIPPED_S = 1.0
 
 
@@ -69,9 +71,12 @@ class PieceCutter:
         timed 0.0-8.7 s (its words squashed into the end of that), and seek continuation then
         read it again where it is. An energy check comes first, so that most files never run
         Silero; one that opens quietly but with speech Silero hears keeps its start, and so does
-        every file where Silero cannot be loaded or the strategy is energy."""
-        sound = first_sound(samples, samples)
-        if self._quiet_points is not None or sound is None or sound < LEADING_PAUSE_S * SAMPLE_RATE:
+        every file where Silero cannot be loaded or the strategy is energy. (Against the loudest
+        window, not the file's usual level: where the pause is most of the file, noise at -60
+        dBFS was its usual level, and tiny.en read the sentence four times into it.)"""
+        rms = window_rms(samples)
+        lead = round(LEADING_PAUSE_S * SAMPLE_RATE / WINDOW_SAMPLES)
+        if self._quiet_points is not None or len(rms) <= lead or rms[:lead].max() >= QUIET_LEAD * rms.max():
             return 0
         try:
             spans = self._vad().spans(samples, final=True)
