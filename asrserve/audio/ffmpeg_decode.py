@@ -3,6 +3,7 @@ PyAV, frame by frame into asrserve.audio.decode's MonoResampler."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Callable
 
@@ -11,17 +12,18 @@ import numpy as np
 from asrserve.audio.decode import BLOCK_SAMPLES, AudioError, MonoResampler, one_line
 
 ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC and MP3 streams
-# The only demuxers ffmpeg may pick for an upload: audio and video containers, which read the
-# bytes they are given. Others open files or URLs the bytes name (a concat script, an HLS or
-# DASH playlist, an image sequence): an uploaded concat script "file a.ts" read a.ts from the
-# server's working directory, and the errors told a client which files exist there. Nor may a
-# demuxer open anything by protocol: an upload is read from memory, a local path as a file.
-ALLOWED_DEMUXERS = ",".join([
-    "aac", "ac3", "eac3", "aiff", "amr", "amrnb", "amrwb", "ape", "asf", "au", "avi", "caf", "dsf", "dts",
-    "dtshd", "dv", "flac", "flv", "g722", "g723_1", "g729", "gsm", "ilbc", "loas", "matroska", "mlp",
-    "mov", "mp3", "mpc", "mpc8", "mpeg", "mpegts", "mxf", "nut", "ogg", "qcp", "rm", "sox", "truehd",
-    "tta", "voc", "w64", "wav", "wv", "xwma",
-])
+# Demuxers ffmpeg may not pick for an upload, whatever its bytes look like: those that open the
+# files or addresses the bytes name (a concat script, HLS, DASH and IMF playlists, an image
+# sequence, SDP's network streams; AviSynth and VapourSynth run scripts; devices, which no
+# probe picks, for good measure). An uploaded concat
+# script "file a.ts" read a.ts from the server's working directory, and the errors told a
+# client which files exist there. Nor may a demuxer open anything by protocol: an upload is
+# read from memory, a local path as a file.
+REFUSED_DEMUXERS = frozenset({
+    "concat", "hls", "applehttp", "dash", "imf", "webm_dash_manifest", "image2", "image2pipe", "sdp", "rtsp",
+    "rtp", "sap", "avisynth", "vapoursynth", "lavfi", "ffmetadata", "video4linux2", "v4l2", "alsa", "oss", "pulse",
+    "fbdev", "x11grab", "xcbgrab", "kmsgrab", "jack", "openal", "sndio", "dv1394", "iec61883", "decklink",
+})
 
 
 def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[np.ndarray, float], None]) -> np.ndarray:
@@ -29,7 +31,7 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
     import av
 
     is_path = isinstance(source, (str, Path))
-    options = {"format_whitelist": ALLOWED_DEMUXERS, "protocol_whitelist": "file" if is_path else "none"}
+    options = {"format_whitelist": _allowed_demuxers(), "protocol_whitelist": "file" if is_path else "none"}
     try:
         container = av.open(str(source) if is_path else source, mode="r", container_options=options)
     except av.ArgumentError:  # what ffmpeg answers for a demuxer that is not on the list
@@ -83,6 +85,16 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
         raise _unreadable(error) from None
 
 
+@cache
+def _allowed_demuxers() -> str:
+    """Every format this ffmpeg has but the refused ones, as ffmpeg's format_whitelist takes them
+    (a demuxer of several names, "mov,mp4,m4a,...", is refused if any of them is)."""
+    import av
+
+    allowed = (name for name in av.formats_available if not REFUSED_DEMUXERS & set(name.split(",")))
+    return ",".join(sorted(allowed))
+
+
 def _unreadable(error: Exception) -> AudioError:
     # ffmpeg's own words ("Invalid data found when processing input"), without PyAV's errno and
     # '<none>' file name around them.
@@ -134,11 +146,23 @@ def _planar_float(frame, channels: int) -> np.ndarray | None:
 def _decoded_frames(container, stream):
     """The stream's frames, packet by packet. A packet that fails to decode (a file cut off
     mid-frame, a damaged frame, the first ones included) is skipped, as the ffmpeg command
-    skips it; if no packet decodes, the file is not audio ffmpeg reads."""
+    skips it, and a demuxer error after the first frames ends the stream; if no packet decodes,
+    the file is not audio ffmpeg reads."""
     import av
 
     decoded_any, first_error = False, None
-    for packet in container.demux(stream):
+    packets = container.demux(stream)
+    while True:
+        try:
+            packet = next(packets)
+        except StopIteration:
+            break
+        except av.FFmpegError:
+            if not decoded_any:
+                raise
+            # The demuxer gave up past the first frames (Ogg files of two codecs joined): what
+            # came is kept, as a file cut off keeps it.
+            break
         try:
             frames = packet.decode()
         except av.FFmpegError as error:  # InvalidDataError mostly; a damaged AAC frame also gave EPERM
