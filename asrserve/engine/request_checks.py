@@ -12,12 +12,13 @@ from asrserve.model.tokenizer import WhisperTokenizer
 
 TASKS = ("transcribe", "translate")
 # Audio whose samples all lie within a span this narrow holds no sound: zeros, G.711 A-law's
-# idle code (it has no zero: silence decodes to 8 steps of 16-bit PCM), a constant offset, the
-# last bit of a 16-bit recording flickering. Whisper's log-mel is normalised to its loudest
-# frame, so it would magnify such audio into noise and hallucinate words ("you", "Thank you.")
-# from it. (32 steps of 16-bit PCM, -66 dBFS at most either side of the middle: nothing a
-# listener could hear. The span, not the distance from the mean: a tenth of the time to check.)
-DIGITAL_SILENCE_SPAN = 32.0 / 32768
+# idle code (it has no zero: silence decodes to a constant 8 steps of 16-bit PCM), a constant
+# offset, the last bit of a 16-bit recording flickering. Whisper's log-mel is normalised to its
+# loudest frame, so it would magnify such audio into noise and hallucinate words ("you",
+# "Thank you.") from it. (Eight steps: resampled from 8 kHz, A-law's idle code rings to 4-9
+# steps at the file's ends; real speech recorded 68 dB down, 26 steps from trough to peak, is
+# still read word for word.)
+DIGITAL_SILENCE_SPAN = 8.0 / 32768
 # Nor does audio shorter than this hold a word (OpenAI's API refuses audio under 0.1 s): a click
 # of a few samples, normalised the same way, read as "you".
 MIN_SPEECH_SAMPLES = SAMPLE_RATE // 10
