@@ -345,6 +345,11 @@ def test_a_segment_s_first_word_that_swallowed_a_pause_is_cut_from_its_start():
     first, _, sentence_end, _ = segment.words
     assert first.end == pytest.approx(8.5) and first.start == pytest.approx(8.5 - 0.6)
     assert sentence_end.start == pytest.approx(9.4) and sentence_end.end == pytest.approx(10.0)
+    # A lone word that runs past its segment's end swallowed the pause after it ("Yes." said at
+    # 0.5-1.3 s, 4 s of silence): cut from its end, not squeezed to 20 ms at the segment's end.
+    lone = Segment(0, 0, 0.0, 2.0, "", [], 0.0, 0.0, 1.0, 0.0, words=[Word("Yes.", 0.0, 5.92)])
+    _tidy_words([lone], [0.3])
+    assert (lone.words[0].start, lone.words[0].end) == pytest.approx((0.0, 0.6))
 
 
 def test_timestamp_formats():

@@ -155,15 +155,19 @@ def _add_words(tokenizer: WhisperTokenizer, piece: PieceResult, segments: list[S
 def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
     """Caps words that swallowed a pause (longer than twice the median word, at most 1.4 s:
     the alignment stretches a word at a sentence end or after a pause), then keeps every word
-    inside its segment, in order, with a positive length. A segment's first word is cut from its
-    start: the pause is before it ("Mr." after 8 s of quiet was timed 0.0-0.5 s, "Quilter" 9.0 s)."""
+    inside its segment, in order, with a positive length. A segment's first word that ends
+    inside its segment is cut from its start: the pause is before it ("Mr." after 8 s of quiet
+    was timed 0.0-0.5 s, "Quilter" 9.0 s). One that runs past its segment's end swallowed the
+    pause after it ("Yes." and 4 s of silence: cut from its start, then held inside its
+    segment, it came to 20 ms at the segment's end)."""
     positive = [d for d in durations if d > 0]
     max_duration = 2 * min(0.7, float(np.median(positive))) if positive else 1.4
     for segment in segments:
         words = segment.words
         for i, word in enumerate(words):
             if word.end - word.start > max_duration:
-                if i > 0 and (word.word[-1] in SENTENCE_END or i == len(words) - 1):
+                pause_before = i == 0 and word.end <= segment.end
+                if not pause_before and (word.word[-1] in SENTENCE_END or i == len(words) - 1):
                     word.end = word.start + max_duration
                 else:
                     word.start = word.end - max_duration
