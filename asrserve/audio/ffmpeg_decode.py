@@ -15,10 +15,9 @@ ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC 
 # Demuxers ffmpeg may not pick for an upload, whatever its bytes look like: those that open the
 # files or addresses the bytes name (a concat script, HLS, DASH and IMF playlists, an image
 # sequence, SDP's network streams; AviSynth and VapourSynth run scripts; devices, which no
-# probe picks, for good measure). An uploaded concat
-# script "file a.ts" read a.ts from the server's working directory, and the errors told a
-# client which files exist there. Nor may a demuxer open anything by protocol: an upload is
-# read from memory, a local path as a file.
+# probe picks, for good measure). An uploaded concat script "file a.ts" read a.ts from the
+# server's working directory, and the errors told a client which files exist there. Nor may a
+# demuxer open anything by protocol: an upload is read from memory, a local path as a file.
 REFUSED_DEMUXERS = frozenset({
     "concat", "hls", "applehttp", "dash", "imf", "webm_dash_manifest", "image2", "image2pipe", "sdp", "rtsp",
     "rtp", "sap", "avisynth", "vapoursynth", "lavfi", "ffmetadata", "video4linux2", "v4l2", "alsa", "oss", "pulse",
