@@ -647,7 +647,8 @@ def test_a_request_a_step_fails_on_gets_a_500_and_the_server_serves_the_next(spe
     )
     repo = Path(__file__).resolve().parents[1]
     marked = tmp_path / "marked.wav"
-    soundfile.write(marked, np.zeros(19752, np.float32) + 0.01, SAMPLE_RATE)
+    tone = 0.1 * np.sin(2 * np.pi * 440 * np.arange(19752) / SAMPLE_RATE)  # (a constant is digital silence)
+    soundfile.write(marked, tone.astype(np.float32), SAMPLE_RATE)
     process = ServerProcess([], env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"})
     try:
         process.wait_ready()
