@@ -133,10 +133,17 @@ def test_input_audio_formats_decode_to_16_khz():
     ulaw_decoder = InputAudioDecoder(SessionConfig(format="audio/pcmu", rate=8000))
     ulaw = np.concatenate([ulaw_decoder.decode(base64.b64encode(bytes(800)).decode()) for _ in range(5)])
     assert 0 <= 8000 - len(ulaw) <= 1600  # 8 kHz in, 16 kHz out, at most 100 ms held back
-    for bad, code in (("not base64!", "invalid_audio"), (base64.b64encode(b"\x00\x01\x02").decode(), "invalid_audio")):
-        with pytest.raises(RealtimeError) as error:
-            decoder.decode(bad)
-        assert error.value.code == code and error.value.param == "audio"
+    with pytest.raises(RealtimeError) as error:
+        decoder.decode("not base64!")
+    assert error.value.code == "invalid_audio" and error.value.param == "audio"
+    # A byte stream forwarded in reads of any size: a sample split between appends is joined,
+    # and the audio is that of the whole stream (odd appends were refused, and every append after
+    # one read a byte off).
+    sizes = [1, 959, 2, 7, 961, 3] * 10
+    cuts = np.cumsum([0, *sizes])
+    split = InputAudioDecoder(SessionConfig(rate=16_000))
+    joined = np.concatenate([split.decode(base64.b64encode(pcm[a:b]).decode()) for a, b in zip(cuts, cuts[1:])])
+    np.testing.assert_array_equal(joined, direct[: cuts[-1] // 2])
 
 
 def test_session_update_merges_and_names_what_is_wrong():
@@ -515,6 +522,30 @@ def test_an_item_holds_exactly_its_own_audio_across_commits_and_clears():
     done = [e for e in events if e["type"] == "conversation.item.done"]
     assert [e["previous_item_id"] for e in done] == [e["previous_item_id"] for e in committed]
     assert done[1]["previous_item_id"] == committed[0]["item_id"]
+
+
+def test_a_clear_withdraws_the_text_sent_and_keeps_the_audio_clock():
+    """An item whose deltas went out before it was committed is told failed when the buffer is
+    cleared (its text belonged to no transcript, and the client was never told); and a clear
+    counts the samples the resampler held back, so that audio_start_ms stays the milliseconds
+    of audio written (they drifted 20 ms earlier a clear)."""
+    async def scenario():
+        session, events = _session(SessionConfig(turn_detection=None), _RecordingEngine())
+        await session.handle(_append(np.full(24_000, 0.3)))
+        session.item.sent = "Mister"  # an interim's delta went out
+        item_id = session.item.item_id
+        await session.handle({"type": "input_audio_buffer.clear"})
+        for _ in range(9):
+            await session.handle(_append(np.zeros(24_000)))
+            await session.handle({"type": "input_audio_buffer.clear"})
+        return session, events, item_id
+
+    session, events, item_id = asyncio.run(scenario())
+    failed, cleared = events[0], events[1]
+    assert failed["type"] == "conversation.item.input_audio_transcription.failed" and failed["item_id"] == item_id
+    assert failed["error"]["code"] == "input_audio_buffer_cleared" and cleared["type"] == "input_audio_buffer.cleared"
+    assert sum(e["type"].endswith(".failed") for e in events) == 1  # items without text need no word
+    assert abs(session.audio.end - 10 * 16_000) <= 10  # ten seconds written, ten counted
 
 
 def test_a_session_update_mid_turn_drops_the_final_started_at_a_pause():

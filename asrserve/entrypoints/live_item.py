@@ -12,6 +12,7 @@ import numpy as np
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.live_decode import logprob_entry
 from asrserve.entrypoints.pieces import joiner
+from asrserve.entrypoints.realtime_protocol import server_event
 
 
 class FinalsInFlight:
@@ -167,3 +168,9 @@ def sample_ms(sample: int) -> int:
 def user_item(item_id: str, transcript: str | None, status: str) -> dict[str, Any]:
     return {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": status,
             "content": [{"type": "input_audio", "transcript": transcript}]}
+
+
+def failed_event(item_id: str, code: str, message: str) -> dict[str, Any]:
+    """conversation.item.input_audio_transcription.failed for the item (OpenAI's shape)."""
+    return server_event("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
+                        error={"type": "server_error", "code": code, "message": message, "param": None})

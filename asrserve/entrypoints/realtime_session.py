@@ -23,7 +23,7 @@ from asrserve.entrypoints import live_decode
 from asrserve.entrypoints.live_decode import LiveDecode, WordBoundaries
 from asrserve.entrypoints.live_interims import interim_loop
 from asrserve.entrypoints.live_item import (
-    Item, RealtimeOptions, Segment, SessionAudio, SessionTasks, sample_ms, user_item,
+    Item, RealtimeOptions, Segment, SessionAudio, SessionTasks, failed_event, sample_ms, user_item,
 )
 from asrserve.entrypoints.protocol import usage_duration
 from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
@@ -125,14 +125,14 @@ class RealtimeSession:
         await self._finish_item(item, self.audio.end)
 
     async def _clear(self, event: dict[str, Any]) -> None:
-        if self.item is not None:  # its decodes stop, and a closed segment's text is not sent after all
-            for segment in self.item.segments:
-                for task in (segment.final, segment.emitted):
-                    if task is not None:
-                        task.cancel()
-            self.item = None
+        item, self.item = self.item, None
+        if item is not None:  # its decodes stop, and a closed segment's text is not sent after all
+            for task in (t for segment in item.segments for t in (segment.final, segment.emitted) if t is not None):
+                task.cancel()
         self._cancel_interim()
-        self.decoder.reset()
+        if item is not None and item.sent:  # deltas of audio that is gone: the client is told to drop them
+            await self.send(failed_event(item.item_id, "input_audio_buffer_cleared", "the buffer was cleared"))
+        self.audio.append(self.decoder.flush())  # (counted: audio_start_ms drifted 20 ms a clear)
         self.audio.drop_before(self.audio.end)
         self._start_vad()
         await self.send(server_event("input_audio_buffer.cleared"))
@@ -288,10 +288,7 @@ class RealtimeSession:
             await item.segments[-1].emitted
         except (Exception, asyncio.CancelledError) as error:  # the engine failed, or the session closed first
             message = str(error) or "the session closed before the transcript was done"
-            await self.send(server_event(
-                "conversation.item.input_audio_transcription.failed", item_id=item.item_id, content_index=0,
-                error={"type": "server_error", "code": "transcription_failed", "message": message, "param": None},
-            ))
+            await self.send(failed_event(item.item_id, "transcription_failed", message))
             if isinstance(error, asyncio.CancelledError):
                 raise
             return
