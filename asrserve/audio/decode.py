@@ -292,39 +292,42 @@ def _read_up_to_the_damage(source, start: int | None, resampler: MonoResampler, 
     bit in transit: the second half of a 213 s FLAC was lost): the frames from there that
     cannot be read become silence, as long as frames after them can, as ffmpeg skips a damaged
     frame. A truncated upload ("flac decoder lost sync") keeps what came."""
-    skipped_steps = 0
     while True:
-        if start is not None:
-            source.seek(start)
         try:
-            with soundfile.SoundFile(source) as file:
-                file.seek(resampler.num_frames)
+            with _reopened(source, start, resampler.num_frames) as file:
                 while len(block := file.read(SALVAGE_FRAMES, dtype="float32", always_2d=True)):
                     resampler.add(block)
                 return  # read to the end
         except soundfile.LibsndfileError:
             pass
         # Unreadable at resampler.num_frames: is there a frame after it?
-        while True:
-            skipped_steps += 1
-            position = resampler.num_frames + skipped_steps * SALVAGE_FRAMES
-            if skipped_steps > MAX_DAMAGE_SKIPPED or position >= declared:
+        for step in range(1, MAX_DAMAGE_SKIPPED + 1):
+            position = resampler.num_frames + step * SALVAGE_FRAMES
+            if position >= declared:
                 return
-            if _readable_at(source, start, position):
+            try:
+                with _reopened(source, start, position) as file:
+                    readable = len(file.read(SALVAGE_FRAMES, dtype="float32")) > 0
+            except soundfile.LibsndfileError:
+                readable = False
+            if readable:
                 resampler.add(np.zeros((position - resampler.num_frames, channels), np.float32))
-                skipped_steps = 0
                 break
+        else:
+            return
 
 
-def _readable_at(source, start: int | None, position: int) -> bool:
+def _reopened(source, start: int | None, frame: int) -> soundfile.SoundFile:
+    """A new handle on `source` (from byte `start`), at `frame`."""
     if start is not None:
         source.seek(start)
+    file = soundfile.SoundFile(source)
     try:
-        with soundfile.SoundFile(source) as file:
-            file.seek(position)
-            return len(file.read(SALVAGE_FRAMES, dtype="float32")) > 0
-    except soundfile.LibsndfileError:
-        return False
+        file.seek(frame)
+    except BaseException:
+        file.close()
+        raise
+    return file
 
 
 def _check_duration(duration_s: float, max_duration_s: float | None, of_what: str = "") -> None:

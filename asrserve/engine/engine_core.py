@@ -159,12 +159,13 @@ class EngineCore:
         sampled = self.runner.execute(scheduler_output)
         return outputs + self.scheduler.update(scheduler_output, sampled)
 
-    def fail_everything(self, error: str) -> list[RequestOutput]:
-        """After a step raised (a bug): every unfinished request fails with `error` and gives
+    def fail_everything(self, step_error: Exception) -> list[RequestOutput]:
+        """After a step raised `step_error` (a bug): every unfinished request fails and gives
         back all it held, so that the engine can go on with new ones. A step builds its batch
         afresh from the scheduler's requests, so nothing of the failed one is left but the
         encoder outputs, dropped here. Raises if anything is still held after that: a state
         that failing the requests does not undo."""
+        error = f"the engine failed while decoding: {type(step_error).__name__}"
         outputs = list(self.finished_without_model.values())  # decided without the model: they stand
         self.finished_without_model.clear()
         for request_id in list(self.scheduler.requests):

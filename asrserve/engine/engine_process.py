@@ -207,7 +207,7 @@ class EngineLoop:
             # bugs (500); the ones that arrive next are served.
             logger.exception("an engine step failed: the %d requests in the engine fail, the engine goes on",
                              len(self.core.scheduler.requests))
-            return self.core.fail_everything(f"the engine failed while decoding: {type(error).__name__}")
+            return self.core.fail_everything(error)
         self.failed_steps_in_a_row = 0
         return outputs
 

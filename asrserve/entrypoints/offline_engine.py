@@ -36,7 +36,7 @@ class SharedEngine:
             try:
                 outputs = self.engine.step()
             except Exception as error:
-                self._route(self.engine.fail_everything(f"the engine failed while decoding: {type(error).__name__}"))
+                self._route(self.engine.fail_everything(error))
                 raise
             self._route(outputs)
 

@@ -191,6 +191,6 @@ def _unicode_to_byte() -> dict[str, int]:
     byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {chr(byte): byte for byte in printable}
-    others = [byte for byte in range(256) if byte not in set(printable)]
+    others = [byte for byte in range(256) if chr(byte) not in table]
     table |= {chr(256 + index): byte for index, byte in enumerate(others)}
     return table
