@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, model_flag=False)
     # (Judged only when serve runs: a Kubernetes Service named asrserve sets ASRSERVE_PORT to
     # tcp://..., which must not stop `asrserve transcribe` beside it.)
-    serve.set_defaults(environment_errors=_defaults_from_environment(serve))
+    _defaults_from_environment(serve)
 
     from asrserve.benchmark.options import add_bench_args
 
@@ -198,11 +198,22 @@ ENV_PREFIX = "ASRSERVE_"
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _defaults_from_environment(parser: argparse.ArgumentParser) -> list[str]:
+class _BadEnvironmentValue:
+    """An option's default where its ASRSERVE_ variable cannot be read: an error only if the
+    command line does not give the option (Kubernetes sets ASRSERVE_PORT=tcp://... in every pod
+    beside a Service named asrserve, and a --port given must still start the server)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self) -> str:
+        return self.message
+
+
+def _defaults_from_environment(parser: argparse.ArgumentParser) -> None:
     """Each option of `parser` also reads ASRSERVE_<OPTION> (lists: comma-separated); a flag on
     the command line still wins. --help shows the variable's name, and the default where the
-    help does not say it. Returns what is wrong with the variables set."""
-    errors = []
+    help does not say it. A variable that cannot be read leaves a _BadEnvironmentValue."""
     for action in parser._actions:
         if action.dest in ("help", argparse.SUPPRESS):
             continue
@@ -214,24 +225,31 @@ def _defaults_from_environment(parser: argparse.ArgumentParser) -> list[str]:
         value = os.environ.get(name)
         if value is None or value == "":
             continue
-        if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
-            if value.lower() not in TRUE_WORDS + FALSE_WORDS:
-                errors.append(f"{name}={value!r}: use true or false")
-            action.default = value.lower() in TRUE_WORDS
-        elif action.nargs in ("+", "*"):
-            items = [item.strip() for item in value.split(",") if item.strip()]
-            action.default = [action.type(item) if action.type else item for item in items]
-        else:
-            try:
-                action.default = action.type(value) if action.type else value
-            except ValueError:
-                errors.append(f"{name}={value!r} is not a valid {action.dest}")
-                continue
-            if action.choices is not None and action.default not in action.choices:
-                errors.append(f"{name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
+        action.default = _environment_value(action, name, value)
         if not action.option_strings:
             action.nargs = "?"  # the positional may now come from the environment
-    return errors
+
+
+def _environment_value(action: argparse.Action, name: str, value: str):
+    if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
+        if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+            return _BadEnvironmentValue(f"{name}={value!r}: use true or false")
+        return value.lower() in TRUE_WORDS
+    try:
+        if action.nargs in ("+", "*"):
+            items = [item.strip() for item in value.split(",") if item.strip()]
+            return [action.type(item) if action.type else item for item in items]
+        parsed = action.type(value) if action.type else value
+    except ValueError:
+        return _BadEnvironmentValue(f"{name}={value!r} is not a valid {action.dest}")
+    if action.choices is not None and parsed not in action.choices:
+        return _BadEnvironmentValue(f"{name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
+    return parsed
+
+
+def _environment_errors(args: argparse.Namespace) -> list[str]:
+    """The ASRSERVE_ variables that could not be read, of the options the command line left out."""
+    return [value.message for value in vars(args).values() if isinstance(value, _BadEnvironmentValue)]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -275,8 +293,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve" and args.environment_errors:
-        print(f"asrserve serve: error: {args.environment_errors[0]}", file=sys.stderr)
+    if args.command == "serve" and _environment_errors(args):
+        print(f"asrserve serve: error: {_environment_errors(args)[0]}", file=sys.stderr)
         return 2
     if args.command == "serve":
         level = logging.getLevelName(args.log_level.upper())

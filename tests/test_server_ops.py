@@ -452,6 +452,14 @@ def test_a_bad_serve_variable_stops_serve_only(monkeypatch, capsys):
         main(["--version"])
     assert version.value.code == 0
     assert main(["serve"]) == 2 and "ASRSERVE_PORT='tcp://10.0.0.5:8000' is not a valid port" in capsys.readouterr().err
+    # ... and a --port given wins over it, as over any variable (the pod's own manifest passes one)
+    assert build_parser().parse_args(["serve", "--port", "8000"]).port == 8000
+    monkeypatch.setenv("ASRSERVE_LOG_LEVEL", "LOUD")
+    monkeypatch.setenv("ASRSERVE_ACCESS_LOG", "maybe")
+    args = build_parser().parse_args(["serve", "--port", "8000", "--log-level", "info", "--no-access-log"])
+    assert (args.port, args.log_level, args.access_log) == (8000, "info", False)
+    assert main(["serve", "--port", "8000", "--no-access-log"]) == 2
+    assert "ASRSERVE_LOG_LEVEL='LOUD': choose one of" in capsys.readouterr().err
 
 
 def test_incremental_text_never_splits_a_character(tiny_en_engine):
