@@ -656,12 +656,22 @@ def test_a_request_a_step_fails_on_gets_a_500_and_the_server_serves_the_next(spe
                               timeout=60)
         _assert_error(response, 500)
         assert response.json()["error"]["type"] == "server_error"
+        # Streamed, the 500 is the last event (the headers went out as 200), and is counted as one.
+        streamed = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": marked.read_bytes()},
+                              data={"stream": "true"}, headers={"X-Request-Id": "trace-streamed-bug"}, timeout=60)
+        assert streamed.status_code == 200
+        last = json.loads(streamed.text.strip().split("\n\n")[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "internal_error", streamed.text
+        failed = process.metrics()['asrserve_requests_total{endpoint="transcriptions",status="500"}']
+        assert failed == 2
         served = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[0].read_bytes()},
                             timeout=60)
         assert served.status_code == 200 and served.json()["text"].strip()
         assert httpx.get(f"{process.url}/health", timeout=5).status_code == 200
         assert not any(engine_idle(process).values())
-        assert process.metrics()["asrserve_engine_failed_steps_total"] == 1
-        assert "an engine step failed" in process.logs()
+        assert process.metrics()["asrserve_engine_failed_steps_total"] == 2  # one a request
+        logs = process.logs()
+        assert "an engine step failed" in logs and "trace-streamed-bug" in logs
+        assert "Exception in ASGI application" not in logs  # each bug's traceback is logged once
     finally:
         process.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -535,11 +536,13 @@ def test_a_failed_engine_watcher_stops_the_server():
     assert state.exit_code == 1
 
 
-def test_a_bug_mid_stream_ends_the_stream_with_an_error_event():
-    """Not a stream cut off without a word: the client reads a server_error event."""
+def test_a_bug_mid_stream_ends_the_stream_with_an_error_event(caplog):
+    """Not a stream cut off without a word: the client reads a server_error event, the log names
+    the request, and the request counts as the 500 it would have been unstreamed (its headers
+    went out as 200)."""
     from types import SimpleNamespace
 
-    from asrserve.entrypoints.serving_transcription import _sse_events
+    from asrserve.entrypoints.transcription_stream import StreamOutcome, sse_events
 
     class BrokenJob:
         aborted = False
@@ -551,12 +554,15 @@ def test_a_bug_mid_stream_ends_the_stream_with_an_error_event():
         def abort(self) -> None:
             self.aborted = True
 
-    async def events(job) -> list[str]:
+    async def events(job, outcome) -> list[str]:
         params = SimpleNamespace(request=SimpleNamespace(include=None))
-        return [event async for event in _sse_events(None, job, params)]
+        return [event async for event in sse_events(None, job, params, outcome)]
 
-    job = BrokenJob()
-    sent = asyncio.run(events(job))
+    job, outcome = BrokenJob(), StreamOutcome("req_stream_with_a_bug")
+    with caplog.at_level(logging.ERROR, logger="asrserve.server"):
+        sent = asyncio.run(events(job, outcome))
     assert json.loads(sent[0][len("data: "):])["delta"] == "Hello"
     error = json.loads(sent[-1][len("data: "):])["error"]
     assert error["type"] == "server_error" and "bug" in error["message"] and job.aborted
+    assert error["code"] == "internal_error" and outcome.failed_status == 500
+    assert "req_stream_with_a_bug" in caplog.text

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from asrserve import __version__
 from asrserve.config import EngineConfig, ServerConfig
 from asrserve.entrypoints.auth import redact_keys_in_logs
-from asrserve.entrypoints.error_handlers import add_error_handlers
+from asrserve.entrypoints.error_handlers import add_error_handlers, log_each_bug_once
 from asrserve.entrypoints.middleware import MetricsMiddleware
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
@@ -179,6 +179,7 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
         )
     )
     redact_keys_in_logs()  # uvicorn.Config has set logging up
+    log_each_bug_once()
     state.uvicorn_server = server
     server.state, server.realtime = state, app.state.realtime
     url = served_url(config.host, config.port)

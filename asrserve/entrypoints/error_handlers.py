@@ -10,8 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from asrserve.audio.decode import AudioError, AudioTooLongError
 from asrserve.engine.async_client import EngineDeadError
 from asrserve.entrypoints.protocol import APIError, error_body, validation_error
+from asrserve.errors import InvalidRequestError
 
 logger = logging.getLogger("asrserve.server")
 
@@ -25,6 +27,28 @@ def shutting_down_error() -> APIError:
 
 def engine_dead_error(error: EngineDeadError) -> APIError:
     return APIError(503, f"the engine stopped: {error}", type="server_error", code="engine_dead")
+
+
+def audio_error(error: AudioError) -> APIError:
+    code = "audio_too_long" if isinstance(error, AudioTooLongError) else "invalid_audio"
+    return APIError(400, str(error), param="file", code=code)
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error: this is a bug in asrserve; the log has the details",
+                    type="server_error", code="internal_error", headers=_NO_RETRY)
+
+
+def job_error(error: Exception) -> APIError | None:
+    """What a client gets for a transcription that failed after it was taken on (streamed or
+    not); None where the failure is a bug."""
+    if isinstance(error, EngineDeadError):
+        return engine_dead_error(error)
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error))
+    if isinstance(error, AudioError):
+        return audio_error(error)
+    return error if isinstance(error, APIError) else None
 
 
 def vad_unavailable_error(error: Exception) -> APIError:
@@ -57,9 +81,28 @@ def add_error_handlers(app: FastAPI) -> None:
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
         rid = getattr(request.state, "request_id", None)
         logger.exception("internal error on %s %s (request %s)", request.method, request.url.path, rid)
-        body = error_body("internal server error: this is a bug in asrserve; the log has the details", "server_error",
-                          code="internal_error")
-        # OpenAI's SDKs retry a 500 twice, uploading again: the request would meet its bug again.
+        error.asrserve_logged = True  # Starlette re-raises it to the server, which would log it again
+        failure = internal_error()
         # (Sent from outside the middleware that stamps every response with its id.)
-        headers = {"x-should-retry": "false", **({"x-request-id": rid} if rid else {})}
-        return JSONResponse(body, status_code=500, headers=headers)
+        headers = {**failure.headers, **({"x-request-id": rid} if rid else {})}
+        return JSONResponse(failure.body(), status_code=500, headers=headers)
+
+
+class _LoggedAlready(logging.Filter):
+    """Starlette hands a bug's exception back to uvicorn after our handler has logged it with
+    the request's id and answered 500; uvicorn's "Exception in ASGI application" would log the
+    same traceback a second time, without the id (alerts that count errors count it twice)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and getattr(record.exc_info[1], "asrserve_logged", False))
+
+
+def log_each_bug_once() -> None:
+    """After uvicorn has configured logging."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _LoggedAlready) for f in logger.filters):
+        logger.addFilter(_LoggedAlready())
+
+
+# OpenAI's SDKs retry a 500 twice, uploading again: the request would meet its bug again.
+_NO_RETRY = {"x-should-retry": "false"}

@@ -13,6 +13,8 @@ from asrserve.entrypoints.metrics import ServerMetrics
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for "the client left first"; logged, never sent
 # Set in the ASGI scope by a response the client left mid-body (its status went out as 200).
 CLIENT_CLOSED_SCOPE_KEY = "asrserve.client_closed"
+# Set by a stream that ended on an error event: the status a request not streamed would have got.
+STREAM_FAILED_SCOPE_KEY = "asrserve.stream_failed_status"
 # A WebSocket's ASGI send as the server gave it (live_socket.abort reaches the transport through it).
 RAW_SEND_SCOPE_KEY = "asrserve.raw_send"
 
@@ -70,7 +72,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            code = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_CLOSED_SCOPE_KEY) else status[0] or 500
+            closed, failed = scope.get(CLIENT_CLOSED_SCOPE_KEY), scope.get(STREAM_FAILED_SCOPE_KEY)
+            code = CLIENT_CLOSED_REQUEST if closed else failed or status[0] or 500
             self.metrics.requests.labels(endpoint, str(code)).inc()
             if code == CLIENT_CLOSED_REQUEST and status[0] in (None, CLIENT_CLOSED_REQUEST):
                 # uvicorn logs a request as its response starts, and not to a client gone already

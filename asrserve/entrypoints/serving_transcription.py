@@ -7,40 +7,42 @@ render the response format, or stream text deltas as server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from asrserve.audio.chunking import DEFAULT_CHUNKING, ChunkingStrategy
-from asrserve.audio.decode import AudioError, AudioTooLongError
+from asrserve.audio.decode import AudioError
 from asrserve.engine.async_client import EngineDeadError
 from asrserve.engine.request import SamplingParams
 from asrserve.engine.request_checks import check_language
 from asrserve.entrypoints.admission import AudioHeld, WaitingSlot
 from asrserve.entrypoints.auth import authorize
-from asrserve.entrypoints.error_handlers import engine_dead_error, shutting_down_error
+from asrserve.entrypoints.error_handlers import audio_error, engine_dead_error, job_error, shutting_down_error
 from asrserve.entrypoints.formats import CONTENT_TYPES, to_srt, to_verbose_json, to_vtt
-from asrserve.entrypoints.live_decode import logprob_entry
-from asrserve.entrypoints.middleware import CLIENT_CLOSED_REQUEST, CLIENT_CLOSED_SCOPE_KEY
+from asrserve.entrypoints.middleware import CLIENT_CLOSED_REQUEST
 from asrserve.entrypoints.pieces import decode_to_the_end
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.entrypoints.protocol import (
     TIMESTAMPED_FORMATS,
     APIError,
     TranscriptionRequest,
-    error_body,
     usage_duration,
-    usage_tokens,
 )
 from asrserve.entrypoints.segments import build_segments
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
 from asrserve.entrypoints.transcription_job import TranscriptionJob
+from asrserve.entrypoints.transcription_stream import (
+    CleanupStreamingResponse,
+    StreamOutcome,
+    logprob_entries,
+    record_job,
+    sse_events,
+)
 from asrserve.entrypoints.upload import ClientGone, read_form
 from asrserve.errors import InvalidRequestError
 
@@ -81,7 +83,8 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
             language = check_language(state.tokenizer, state.model_name, params.language, task)
         except InvalidRequestError as error:
             raise APIError(400, str(error), param="language" if params.language else "model") from None
-        job_params = TranscriptionParams(language, task, params, endpoint, arrival, state.chunking_strategy)
+        job_params = TranscriptionParams(language, task, params, endpoint, arrival, state.chunking_strategy,
+                                         request_id=getattr(request.state, "request_id", None))
         return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
     except asyncio.CancelledError:
         if not state.shutting_down:
@@ -113,8 +116,9 @@ class TranscriptionParams:
 
     def __init__(
         self, language: str | None, task: str, params: TranscriptionRequest, endpoint: str, arrival: float,
-        default_chunking: ChunkingStrategy = DEFAULT_CHUNKING,
+        default_chunking: ChunkingStrategy = DEFAULT_CHUNKING, request_id: str | None = None,
     ):
+        self.request_id = request_id  # (named in the log line of a stream that fails)
         self.chunking = _chunking_strategy(params.chunking_strategy, default_chunking)
         self.language = language
         self.task = task
@@ -149,7 +153,7 @@ async def _transcribe(
     try:
         prepared = await state.pool.prepare(audio, job_params.chunking)
     except AudioError as error:
-        raise _audio_error(error) from None
+        raise audio_error(error) from None
     del audio
     try:
         held = AudioHeld(state, prepared.expected_s)
@@ -163,11 +167,6 @@ async def _transcribe(
     finally:
         if not waiting.handed_off:
             held.release()
-
-
-def _audio_error(error: AudioError) -> APIError:
-    code = "audio_too_long" if isinstance(error, AudioTooLongError) else "invalid_audio"
-    return APIError(400, str(error), param="file", code=code)
 
 
 async def _run_job(
@@ -192,24 +191,22 @@ async def _run_job(
             waiting.release()
             held.release()
 
-        return _CleanupStreamingResponse(
-            _sse_events(state, job, job_params),
+        outcome = StreamOutcome(job_params.request_id)
+        return CleanupStreamingResponse(
+            sse_events(state, job, job_params, outcome),
             cleanup,
+            outcome,
             lambda: state.shutting_down,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
         text = await job.run()
-    except EngineDeadError as error:
-        raise engine_dead_error(error) from None
-    except InvalidRequestError as error:
-        raise APIError(400, str(error)) from None
-    except AudioError as error:  # found in the part of the file read after the first pieces
-        raise _audio_error(error) from None
+    except (EngineDeadError, InvalidRequestError, AudioError) as error:  # (audio: found after the first pieces)
+        raise job_error(error) from None
     finally:
         job.abort()
-    _record_job(state, job, job_params)
+    record_job(state, job, job_params)
     return _render(state, job, job_params, text)
 
 
@@ -220,7 +217,7 @@ def _render(state: ServerState, job: TranscriptionJob, job_params: Transcription
     if response_format == "json":
         body = {"text": text, "usage": usage_duration(job.duration_s)}
         if job_params.request.include:
-            body["logprobs"] = _logprob_entries(state, job.text_logprobs())
+            body["logprobs"] = logprob_entries(state, job.text_logprobs())
         return JSONResponse(body)
     segments = build_segments(state.tokenizer, job.pieces, job.language, words=job_params.words, task=job.task)
     if response_format == "srt":
@@ -231,89 +228,6 @@ def _render(state: ServerState, job: TranscriptionJob, job_params: Transcription
         to_verbose_json(job_params.task, job.language, job.duration_s, text, segments, job_params.words,
                         usage_duration(job.duration_s), with_segments=job_params.segments)
     )
-
-
-class _CleanupStreamingResponse(StreamingResponse):
-    """Runs `cleanup` when the response ends for any reason, even if the client left before
-    the first byte and the event generator never started. A stream the server's drain cut off
-    (--graceful-shutdown-timeout-s ran out) ends with the `shutting_down` error a request not
-    streamed gets, rather than mid-body with a traceback in the log."""
-
-    def __init__(self, content, cleanup: Callable[[], None], shutting_down: Callable[[], bool], **kwargs):
-        super().__init__(content, **kwargs)
-        self.cleanup = cleanup
-        self.shutting_down = shutting_down
-
-    async def __call__(self, scope, receive, send) -> None:
-        started = ended = done = False
-
-        async def send_and_note(message) -> None:
-            nonlocal started, ended, done
-            started = started or message["type"] == "http.response.start"
-            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body", False))
-            done = done or b"data: [DONE]" in message.get("body", b"")
-            await send(message)
-
-        try:
-            await super().__call__(scope, receive, send_and_note)
-            if not ended:  # Starlette stops a stream whose client left, and returns
-                scope[CLIENT_CLOSED_SCOPE_KEY] = True
-        except asyncio.CancelledError:
-            if not (started and self.shutting_down()) or ended:
-                raise  # (before the headers, the server answers 503 itself)
-            last = b"" if done else _sse(shutting_down_error().body()).encode()  # none after [DONE]
-            await send({"type": "http.response.body", "body": last, "more_body": False})
-        finally:
-            self.cleanup()
-
-
-async def _sse_events(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams) -> AsyncIterator[str]:
-    include_logprobs, sent = bool(job_params.request.include), 0
-    try:
-        async for delta in job.deltas():
-            event = {"type": "transcript.text.delta", "delta": delta}
-            if include_logprobs:  # the tokens this delta's text came from
-                event["logprobs"] = _logprob_entries(state, job.shown_logprobs[sent:])
-                sent = len(job.shown_logprobs)
-            yield _sse(event)
-        # Each decode reads a window's 1500 audio positions and a prompt (the request's, at most 223 tokens).
-        prompt_tokens = state.tokenizer.num_prompt_tokens(job_params.request.prompt)
-        usage = usage_tokens(job.num_decodes_shown * 1500, job.num_decodes_shown * prompt_tokens, job.num_output_tokens)
-        done = {"type": "transcript.text.done", "text": job.text, "usage": usage}
-        if include_logprobs:
-            done["logprobs"] = _logprob_entries(state, job.shown_logprobs)
-        yield _sse(done)
-        yield "data: [DONE]\n\n"
-        _record_job(state, job, job_params)
-    except EngineDeadError as error:
-        yield _sse(error_body(f"the engine stopped: {error}", "server_error", code="engine_dead"))
-    except InvalidRequestError as error:
-        yield _sse(error_body(str(error), "invalid_request_error"))
-    except AudioError as error:
-        yield _sse(_audio_error(error).body())
-    except APIError as error:  # the file grew past --max-audio-in-flight-s as it was read
-        yield _sse(error.body())
-    except Exception:  # a bug: the client still learns that the stream failed, as a 500 would say
-        logging.getLogger("asrserve.server").exception("a transcription stream failed")
-        yield _sse(error_body("internal server error: this is a bug in asrserve; the log has the details", "server_error"))
-    finally:
-        job.abort()
-
-
-def _logprob_entries(state: ServerState, tokens: list[tuple[int, float]]) -> list[dict]:
-    return [logprob_entry(state.tokenizer, token, logprob) for token, logprob in tokens]
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _record_job(state: ServerState, job: TranscriptionJob, job_params: TranscriptionParams) -> None:
-    metrics, endpoint = state.metrics, job_params.endpoint
-    metrics.audio_seconds.labels(endpoint).inc(job.seconds_transcribed)
-    metrics.output_tokens.labels(endpoint).inc(job.num_output_tokens)
-    if job.first_token_time is not None:
-        metrics.time_to_first_token.labels(endpoint).observe(job.first_token_time - job_params.arrival)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
