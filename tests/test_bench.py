@@ -180,6 +180,19 @@ def test_bench_realtime_streams_alone_and_beside_uploads(server, workload, tmp_p
     assert "beside 2 uploading clients" in run.stderr
 
 
+@pytest.mark.slow
+def test_bench_names_the_fix_and_takes_the_openai_base_url(server, workload, tmp_path):
+    """Without a key it said "pass --model"; given the "OpenAI base URL" the server prints
+    (…/v1) it asked for …/v1/v1/models and said the same."""
+    folder, _ = workload
+    run = bench(str(folder), "--url", server.url, "-n", "1", "--no-progress")
+    assert run.returncode == 2 and "401; pass --api-key" in run.stderr, run.stderr
+    run = bench(str(folder), "--url", server.url + "/v1/", "--api-key", API_KEY, "-n", "1", "--warmup", "0",
+                "--save-result", str(tmp_path / "r.json"), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["succeeded"] == 1
+
+
 def latency_p99(run: dict) -> float:
     return run["end_of_speech_to_completed_ms"]["p99"]
 

@@ -226,7 +226,8 @@ def run_realtime_sweep(url: str, api_key: str | None, files: list[AudioFile], ma
         log(f"{streams} streams: end of speech -> completed p50 {latency['p50']} ms, p99 {latency['p99']} ms; "
             f"first delta p50 {run['time_to_first_delta_ms']['p50']} ms "
             f"({run[f'time_to_first_delta_turns_over_{LONG_TURN_S:g}s_ms']['p50']} ms on turns of {LONG_TURN_S:g} s or more); "
-            f"{'WER ' + format(run['wer'] * 100, '.1f') + ' %; ' if 'wer' in run else ''}{len(run['errors'])} errors")
+            f"{'WER ' + format(run['wer'] * 100, '.1f') + ' %; ' if 'wer' in run else ''}{len(run['errors'])} errors"
+            + (f" (the first: {run['errors'][0]})" if run["errors"] else ""))
         if uploads is not None:
             beside = asyncio.run(run_streams_beside_uploads(url, api_key, clips, streams, gap_s, files, uploads))
             run["with_uploads"] = beside

@@ -23,6 +23,8 @@ from asrserve.benchmark.workload import load_workload
 def run_bench(args: argparse.Namespace) -> int:
     try:
         _check_amounts(args)
+        # the "OpenAI base URL" the server prints at start-up ends in /v1: take it as its root
+        args.url = args.url.rstrip("/").removesuffix("/v1")
         concurrencies = _concurrencies(args)
         fields = _form_fields(args.field)
         files = load_workload(args.audio_dir, args.manifest)
@@ -179,7 +181,9 @@ def _first_model(url: str, api_key: str | None) -> str:
     except httpx.HTTPError as error:
         raise RuntimeError(f"cannot reach {url}: {error}") from None
     if response.status_code != 200:
-        raise RuntimeError(f"GET {url}/v1/models answered {response.status_code}; pass --model")
+        hint = {401: "pass --api-key with one of the server's keys", 404: "is --url an asrserve server?"}
+        raise RuntimeError(f"GET {url.rstrip('/')}/v1/models answered {response.status_code}; "
+                           f"{hint.get(response.status_code, 'pass --model')}")
     models = response.json().get("data") or []
     if not models:
         raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
