@@ -133,7 +133,10 @@ def test_health_version_metrics_are_open(server):
 
 def test_models_list_and_retrieve(client):
     assert [model.id for model in client.models.list().data] == ["tiny.en", "whisper-1"]
-    assert client.models.retrieve("whisper-1").id == "whisper-1"
+    card = client.models.retrieve("whisper-1")
+    assert card.id == "whisper-1" and card.object == "model" and card.owned_by == "asrserve"
+    # a Unix time (when the server started), as OpenAI's is: 0 showed as 1970 in UIs
+    assert 0 < time.time() - card.created < 24 * 3600
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o-transcribe")
 

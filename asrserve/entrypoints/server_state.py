@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from asrserve.audio.chunking import DEFAULT_CHUNKING
 from asrserve.config import DEFAULT_MODEL, EngineConfig, ServerConfig
@@ -22,6 +23,7 @@ logger = logging.getLogger("asrserve.server")
 class ServerState:
     def __init__(self, config: ServerConfig, engine_config: EngineConfig):
         self.config = config
+        self.started_at = int(time.time())  # each model card's `created`
         self.engine = AsyncEngineClient(engine_config, log_level=logging.getLevelName(config.log_level.upper()))
         self.pool = PreprocessPool(
             config.preprocess_workers or default_preprocess_workers(), config.max_audio_duration_s

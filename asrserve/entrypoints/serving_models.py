@@ -24,7 +24,7 @@ def model_card(name: str, state: ServerState) -> dict:
     return {
         "id": name,
         "object": "model",
-        "created": 0,
+        "created": state.started_at,
         "owned_by": "asrserve",
         "root": info.model_name if info else None,
         "ready": state.engine.is_ready,
