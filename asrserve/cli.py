@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 from asrserve import __version__
@@ -286,9 +287,16 @@ def _serve(args: argparse.Namespace) -> int:
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch),
         )
     except ValueError as error:
-        print(f"asrserve: error: {error}", file=sys.stderr)
+        print(f"asrserve serve: error: {_as_flags(str(error), vars(args))}", file=sys.stderr)
         return 2
     return run_server(server_config, engine_config)
+
+
+def _as_flags(message: str, options) -> str:
+    """A configuration error names its field (upload_idle_timeout_s); on the command line the
+    user gave a flag (--upload-idle-timeout-s)."""
+    return re.sub(r"\b[a-z0-9]+(?:_[a-z0-9]+)+\b",
+                  lambda m: "--" + m[0].replace("_", "-") if m[0] in options else m[0], message)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,25 +258,28 @@ class ServerConfig:
         not_finite = [name for name in _SERVER_SECONDS_AND_SIZES if not math.isfinite(getattr(self, name))]
         if not_finite:
             raise ValueError(f"{', '.join(not_finite)}: must be a finite number")
-        if self.realtime_max_interim_decodes is not None and self.realtime_max_interim_decodes < 1:
-            raise ValueError("realtime_max_interim_decodes must be at least 1")
-        if self.engine_death_grace_s < 0 or self.engine_stall_timeout_s < 0:
-            raise ValueError("engine_death_grace_s and engine_stall_timeout_s must be >= 0")
-        if self.preprocess_workers is not None and self.preprocess_workers < 1:
-            raise ValueError("preprocess_workers must be at least 1")
-        if min(self.max_audio_filesize_mb, self.max_audio_duration_s, self.max_audio_in_flight_s) <= 0:
-            raise ValueError("max_audio_filesize_mb, max_audio_duration_s and max_audio_in_flight_s must be positive")
-        if self.max_waiting_requests < 1:
-            raise ValueError("max_waiting_requests must be at least 1")
-        if self.realtime_max_sessions < 0 or self.realtime_idle_timeout_s <= 0 or self.realtime_max_buffer_s <= 0:
-            raise ValueError("realtime_max_sessions must be >= 0, the realtime timeout and buffer positive")
-        if self.realtime_interim_interval_s < 0:
-            raise ValueError("realtime_interim_interval_s must be >= 0")
-        if self.realtime_pause_ms <= 0:
-            raise ValueError("realtime_pause_ms must be positive")
-        if self.graceful_shutdown_timeout_s < 0 or self.upload_idle_timeout_s <= 0 or self.upload_min_rate_kb_s < 0:
-            raise ValueError("graceful_shutdown_timeout_s and upload_min_rate_kb_s must be >= 0 and "
-                             "upload_idle_timeout_s positive")
+        for name, at_least_one in _SERVER_COUNTS:
+            value = getattr(self, name)
+            if value is not None and value < (1 if at_least_one else 0):
+                raise ValueError(f"{name} must be at least {1 if at_least_one else 0}, got {value}")
+        for name, positive in _SERVER_LIMITS:
+            value = getattr(self, name)
+            if value < 0 or (positive and value == 0):
+                raise ValueError(f"{name} must be {'positive' if positive else '>= 0'}, got {value}")
+
+
+# (name, must be at least 1 rather than 0); None where allowed means "automatic"
+_SERVER_COUNTS = (
+    ("realtime_max_interim_decodes", True), ("preprocess_workers", True), ("max_waiting_requests", True),
+    ("realtime_max_sessions", False),
+)
+# (name, must be positive rather than >= 0)
+_SERVER_LIMITS = (
+    ("engine_death_grace_s", False), ("engine_stall_timeout_s", False), ("max_audio_filesize_mb", True),
+    ("max_audio_duration_s", True), ("max_audio_in_flight_s", True), ("realtime_idle_timeout_s", True),
+    ("realtime_max_buffer_s", True), ("realtime_interim_interval_s", False), ("realtime_pause_ms", True),
+    ("graceful_shutdown_timeout_s", False), ("upload_idle_timeout_s", True), ("upload_min_rate_kb_s", False),
+)
 
 
 _SERVER_SECONDS_AND_SIZES = (

@@ -325,20 +325,24 @@ def test_engine_settings_this_model_cannot_take_are_one_line():
 
 
 @pytest.mark.parametrize("flag, value, named", [
-    ("--max-audio-filesize-mb", "inf", "max_audio_filesize_mb"),  # was a 500 on every upload
-    ("--graceful-shutdown-timeout-s", "nan", "graceful_shutdown_timeout_s"),  # was no drain at all
-    ("--upload-idle-timeout-s", "nan", "upload_idle_timeout_s"),
-    ("--realtime-max-interim-decodes", "-1", "realtime_max_interim_decodes"),  # was a traceback
-    ("--realtime-max-interim-decodes", "0", "realtime_max_interim_decodes"),  # was the default, silently
+    ("--max-audio-filesize-mb", "inf", "--max-audio-filesize-mb"),  # was a 500 on every upload
+    ("--graceful-shutdown-timeout-s", "nan", "--graceful-shutdown-timeout-s"),  # was no drain at all
+    ("--upload-idle-timeout-s", "nan", "--upload-idle-timeout-s"),
+    ("--upload-idle-timeout-s", "0", "--upload-idle-timeout-s must be positive"),  # named three fields, no flag
+    ("--realtime-max-interim-decodes", "-1", "--realtime-max-interim-decodes"),  # was a traceback
+    ("--realtime-max-interim-decodes", "0", "--realtime-max-interim-decodes"),  # was the default, silently
+    ("--realtime-idle-timeout-s", "0", "--realtime-idle-timeout-s must be positive"),  # was "the realtime timeout"
     ("--dtype", "float8", "dtype"),  # was a traceback from the engine process
 ])
 def test_flag_values_that_would_break_the_server_are_refused_at_start(flag, value, named):
+    """...with a line that names the flag the user gave, not the configuration field behind it."""
     result = subprocess.run(
         [sys.executable, "-m", "asrserve", "serve", flag, value, "--port", str(free_port()), "--host", "127.0.0.1"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("asrserve: error:") and named in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith("asrserve serve: error:") and named in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "_" not in result.stderr.split("error:")[1].split(",")[0]
 
 
 def test_a_busy_port_is_reported_before_the_model_loads():
