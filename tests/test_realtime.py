@@ -309,6 +309,13 @@ def test_a_disconnect_mid_utterance_stops_its_engine_work(server, speech_audio):
 def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
     url = server.url.replace("http", "ws") + "/v1/realtime?intent=transcription"
 
+    def refused_counts() -> dict[str, float]:
+        metrics = server.metrics()
+        return {code: metrics.get(f'asrserve_realtime_sessions_refused_total{{code="{code}"}}', 0)
+                for code in ("invalid_api_key", "model_not_found", "origin_not_allowed", "session_limit_reached")}
+
+    before = refused_counts()
+
     async def run():
         with pytest.raises(websockets.exceptions.InvalidStatus) as denied:
             async with websockets.connect(url):
@@ -346,6 +353,7 @@ def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):
         with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
             await extra.recv()
         assert closed.value.rcvd.code == 1013
+        assert refused_counts() == {code: before[code] + 1 for code in before}  # each refusal counted
         for session in sessions[1:]:
             await session.close()
         # the idle one is told, then closed

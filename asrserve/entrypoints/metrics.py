@@ -84,6 +84,11 @@ class ServerMetrics:
         self.realtime_sessions = Gauge(
             "asrserve_realtime_sessions", "Live transcription sessions connected to /v1/realtime", registry=registry
         )
+        self.realtime_refused = Counter(
+            "asrserve_realtime_sessions_refused", "Live sessions refused, by the error code the client got "
+            "(session_limit_reached at --realtime-max-sessions; invalid_api_key, origin_not_allowed, ...)",
+            ["code"], registry=registry,
+        )
         self.realtime_completed_latency = Histogram(
             "asrserve_realtime_end_of_speech_to_completed_seconds",
             "Live transcription: from the end of an utterance (server VAD's speech stop, or the commit) to its "

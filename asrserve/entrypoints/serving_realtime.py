@@ -116,10 +116,12 @@ def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
             _check_query(websocket, state)
             state.check_ready()
         except APIError as error:
+            state.metrics.realtime_refused.labels(error.code or str(error.status_code)).inc()
             await _deny(websocket, error)
             return
         await websocket.accept(subprotocol=subprotocol)
         if realtime.num_sessions >= state.config.realtime_max_sessions:
+            state.metrics.realtime_refused.labels("session_limit_reached").inc()
             try:  # (within the idle timeout, as a session's own sends)
                 await send_event(websocket, RealtimeError(
                     f"this server holds {state.config.realtime_max_sessions} live sessions at most; retry shortly",
