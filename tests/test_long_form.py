@@ -515,6 +515,55 @@ def test_words_a_continuation_repeats_from_its_parent_are_dropped(tiny_en_engine
     assert tokenizer.decode(reread.token_ids).strip() == "Goodbye."
 
 
+class _ScriptedEngine:
+    """An engine whose n-th request decodes script[n] (parts as _piece takes them), in two
+    outputs; past the script, silence (nothing to continue)."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.added = tokenizer, list(script), []
+
+    def add(self, requests):
+        streams = []
+        for request in requests:
+            duration = len(request.audio) / SAMPLE_RATE
+            parts = self.script.pop(0) if self.script else []
+            tokens = _piece(self.tokenizer, parts, duration).token_ids
+            stream = RequestStream(request.request_id)
+            half = len(tokens) // 2
+            stream.put(RequestOutput(request.request_id, tokens[:half], [0.0] * half, False))
+            stream.put(RequestOutput(request.request_id, tokens[half:], [0.0] * (len(tokens) - half), True, "stop",
+                                     summary=DecodeSummary(0.0, -0.2, 1.5, 0.01, not parts, 1)))
+            self.added.append(request)
+            streams.append(stream)
+        return streams
+
+    def abort(self, request_ids, counted=True):
+        pass
+
+
+def test_a_stream_drops_the_words_a_continuation_repeats_as_the_whole_transcript_does(tiny_en_engine):
+    """A continuation's opening copy of its parent's last words had not been sent when it was
+    decoded, yet the stream sent it (" can do for you." twice) where the body dropped it."""
+    tokenizer = tiny_en_engine.tokenizer
+    script = [[0.0, " Ask not what your country can do for you.", 4.0],  # stops early: continued from 4 s
+              [0.0, " can do for you. Ask what you can do.", 3.0]]
+    params = SamplingParams.transcription(decode_once=True, timestamps=True)
+
+    async def transcribe(streamed: bool) -> tuple[str, list[str], int]:
+        engine = _ScriptedEngine(tokenizer, script)
+        job = TranscriptionJob(engine, tokenizer, _engine_pieces(_loud(30.0)), "en", "transcribe", params, None)
+        if not streamed:
+            return await job.run(), [], len(engine.added)
+        deltas = [delta async for delta in job.deltas()]
+        return job.text, deltas, len(engine.added)
+
+    body, _, decodes = asyncio.run(transcribe(streamed=False))
+    text, deltas, streamed_decodes = asyncio.run(transcribe(streamed=True))
+    assert decodes == streamed_decodes == 3  # the piece was continued both ways, and its continuation
+    assert body.count("can do for you") == 1, body
+    assert "".join(deltas) == text == body
+
+
 def test_streamed_long_audio_sends_each_segment_once(tiny_en_engine, speech_audio):
     """stream=true on audio over 30 s: timestamps and continuations inside, and the deltas
     joined are the final text, never a word sent twice or taken back."""

@@ -209,7 +209,7 @@ class TranscriptionJob:
         """The text of piece `index` and its continuations, as deltas; aborts the job at the
         token limit."""
         stream, piece, samples = self.streams[index], self.pieces[index], self._samples[index]
-        depth = 0
+        depth, parent = 0, None
         while True:
             text = IncrementalText(self.tokenizer)
             piece_started, num_shown = False, 0
@@ -222,6 +222,8 @@ class TranscriptionJob:
                 piece.add(output)
                 if budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget:
                     break  # the limit is reached: what came is all this transcription shows
+                if parent is not None:
+                    continue  # a continuation's opening words may be its parent's last ones again: held to its end
                 settled = piece.token_ids[: settled_length(self.tokenizer, piece.token_ids)]
                 shown = _text_tokens(settled, eot, budget)
                 if self.keep_logprobs and len(shown) > num_shown:
@@ -235,6 +237,8 @@ class TranscriptionJob:
                 self.num_decodes_shown -= 1  # digital silence: the engine answered it without the model
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
             following = None if at_limit else self._continue(piece, samples, depth)
+            if parent is not None:
+                drop_repeated_words(self.tokenizer, [parent, piece])  # as the whole transcript does
             shown = _text_tokens(piece.token_ids, eot, budget)
             if self.keep_logprobs:
                 self.shown_logprobs += _text_logprobs(piece, eot)[num_shown : len(shown)]
@@ -247,7 +251,7 @@ class TranscriptionJob:
                 return
             if following is None:
                 break
-            stream, piece, samples = following
+            parent, (stream, piece, samples) = piece, following
             depth += 1
 
     def _add_text(self, delta: str, piece_started: bool, piece: PieceResult) -> str:
