@@ -468,6 +468,56 @@ def test_a_bad_serve_variable_stops_serve_only(monkeypatch, capsys):
     assert "ASRSERVE_LOG_LEVEL='LOUD': choose one of" in capsys.readouterr().err
 
 
+def test_a_stream_waiting_for_its_first_text_sends_comments_a_proxy_sees(monkeypatch):
+    """A long file's first delta can come after a proxy's idle timeout (60 s for nginx and AWS
+    ALB): SSE comment lines keep the stream alive, OpenAI's SDK skips them, and a client that
+    leaves while the stream waits closes the job's generator."""
+    from types import SimpleNamespace
+
+    from openai._streaming import SSEDecoder
+
+    from asrserve.entrypoints import transcription_stream
+
+    monkeypatch.setattr(transcription_stream, "PING_INTERVAL_S", 0.05)
+    closed = []
+
+    class SlowJob:
+        text, num_decodes_shown, num_output_tokens = "Hello world", 0, 2
+
+        async def deltas(self):
+            try:
+                await asyncio.sleep(0.3)
+                yield "Hello"
+                yield " world"
+                await asyncio.sleep(10)  # (a client that leaves meets this one)
+            finally:
+                closed.append(True)
+
+        def abort(self) -> None:
+            pass
+
+    state = SimpleNamespace(tokenizer=SimpleNamespace(num_prompt_tokens=lambda prompt: 0))
+    params = SimpleNamespace(request=SimpleNamespace(include=None, prompt=None))
+
+    async def until_the_client_leaves() -> list[str]:
+        events = transcription_stream.sse_events(state, SlowJob(), params, transcription_stream.StreamOutcome(None))
+        sent = []
+        async for event in events:
+            sent.append(event)
+            if "world" in event:
+                break
+        sent.append(await anext(events))  # while the job waits again
+        await events.aclose()  # the client left
+        return sent
+
+    sent = asyncio.run(until_the_client_leaves())
+    assert sent[-1] == ": ping\n\n" and sum(event == sent[-1] for event in sent) >= 3  # before the first text too
+    decoder = SSEDecoder()
+    data = [e.data for line in "".join(sent).split("\n") if (e := decoder.decode(line)) is not None]
+    assert [json.loads(d)["delta"] for d in data] == ["Hello", " world"]  # the comments are skipped
+    assert closed == [True]
+
+
 def test_incremental_text_never_splits_a_character(tiny_en_engine):
     tokenizer = tiny_en_engine.tokenizer
     text = " Zoë said 日本語 is ünïcödé, naïve café — ok."

@@ -78,7 +78,10 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     include_logprobs, sent = bool(job_params.request.include), 0
     try:
-        async for delta in job.deltas():
+        async for delta in _with_pings(job.deltas()):
+            if delta is None:
+                yield ": ping\n\n"  # an SSE comment: clients skip it, proxies see the stream alive
+                continue
             event = {"type": "transcript.text.delta", "delta": delta}
             if include_logprobs:  # the tokens this delta's text came from
                 event["logprobs"] = logprob_entries(state, job.shown_logprobs[sent:])
@@ -102,6 +105,36 @@ async def sse_events(
         yield sse(failure.body())
     finally:
         job.abort()
+
+
+# Seconds without a delta after which a comment line goes out: a long file's pieces decode side
+# by side, and its first text can take longer than the idle timeout of a proxy in front (nginx's
+# proxy_read_timeout and AWS ALB's idle timeout are 60 s by default), which cut the stream.
+PING_INTERVAL_S = 15.0
+
+
+async def _with_pings(deltas: AsyncIterator[str]) -> AsyncIterator[str | None]:
+    """`deltas`, with None wherever PING_INTERVAL_S pass without one."""
+    iterator = aiter(deltas)
+    following = asyncio.ensure_future(anext(iterator))
+    try:
+        while True:
+            done, _ = await asyncio.wait({following}, timeout=PING_INTERVAL_S)
+            if not done:
+                yield None
+                continue
+            try:
+                delta = following.result()
+            except StopAsyncIteration:
+                return
+            yield delta
+            following = asyncio.ensure_future(anext(iterator))
+    finally:  # (the client left, or a delta failed): the generator is closed once it is not running
+        following.cancel()
+        await asyncio.wait({following})
+        if not following.cancelled():
+            following.exception()  # (retrieved: it was raised above already, or nobody waits for it)
+        await iterator.aclose()
 
 
 def logprob_entries(state: ServerState, tokens: list[tuple[int, float]]) -> list[dict]:
