@@ -24,7 +24,12 @@ def shown(value: Any, limit: int = 40) -> str:
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses: bad audio, language, task or parameter."""
+    """A request the engine refuses: bad audio, language, task or parameter (`param`: the
+    request field at fault, where it is known)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(Exception):

@@ -160,8 +160,11 @@ def test_an_enormous_prompt_under_the_field_limit_keeps_its_tail(server, speech,
 
 
 def test_translation_on_an_english_only_model_is_400(server, speech, then_good):
-    error = _assert_error(_post(server, files={"file": ("a.wav", speech)}, path="translations"), 400)
-    assert "English-only" in error["message"]
+    # the model is at fault, whatever language the request names (a language named it instead)
+    for data in ({}, {"language": "de"}, {"language": "en"}):
+        error = _assert_error(_post(server, files={"file": ("a.wav", speech)}, path="translations", data=data), 400,
+                              "model")
+        assert "English-only" in error["message"] and "cannot translate" in error["message"]
 
 
 # --- the request body ----------------------------------------------------------------------

@@ -156,6 +156,10 @@ def test_session_update_merges_and_names_what_is_wrong():
         "include": ["item.input_audio_transcription.logprobs"],
     })
     assert (updated.rate, updated.language, updated.prompt, updated.model) == (16000, "en", "Stella", "tiny.en")
+    # a language's name or a code in capitals is the code, as over HTTP: words are joined without
+    # spaces by it ("ja", "zh", ...), and "Japanese" joined a Japanese turn's windows with one
+    for name in ("Japanese", " JA ", "ja", "japanese"):
+        assert config.updated({"audio": {"input": {"transcription": {"language": name}}}}).language == "ja"
     longest = "é" * (64 * 1024 // 2)
     assert config.updated({"audio": {"input": {"transcription": {"prompt": longest}}}}).prompt == longest
     assert updated.turn_detection == ServerVAD(silence_duration_ms=300) and updated.include_logprobs

@@ -30,7 +30,7 @@ def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str |
         raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {shown(task)}")
     if not tokenizer.is_multilingual and task == "translate":
         raise InvalidRequestError(
-            f"{model_name} is an English-only model and cannot translate; use a multilingual model"
+            f"{model_name} is an English-only model and cannot translate; use a multilingual model", param="model"
         )
     if language is None:
         return None

@@ -21,6 +21,7 @@ from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
 from asrserve.errors import cut, shown
+from asrserve.model.languages import normalize_language
 
 # OpenAI's server_vad defaults (realtime_transcription_session_audio_input_turn_detection.py).
 VAD_PREFIX_PADDING_MS = 300
@@ -188,9 +189,15 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
     return replace(
         config,
         model=value.get("model", config.model),
-        language=value.get("language", config.language) or None,
+        # the code ("ja" for "Japanese", " JA "), as the HTTP API takes it: where the text has no
+        # spaces between words is decided on it (a name that is not one is refused beside)
+        language=_language_code(value.get("language", config.language)),
         prompt=value.get("prompt", config.prompt) or None,
     )
+
+
+def _language_code(language: str | None) -> str | None:
+    return (normalize_language(language) or language) if language else None
 
 
 def _turn_detection(value: Any) -> ServerVAD | None:

@@ -82,7 +82,7 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
         try:
             language = check_language(state.tokenizer, state.model_name, params.language, task)
         except InvalidRequestError as error:
-            raise APIError(400, str(error), param="language" if params.language else "model") from None
+            raise APIError(400, str(error), param=error.param or "language") from None
         job_params = TranscriptionParams(language, task, params, endpoint, arrival, state.chunking_strategy,
                                          request_id=getattr(request.state, "request_id", None))
         return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
