@@ -72,6 +72,11 @@ def test_a_decode_that_stopped_early_is_continued_from_its_last_segment(tiny_en_
     plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=True)
     assert plan is not None and plan.reason == "early_stop" and plan.seek_s == pytest.approx(5.0)
     assert plan.prompt == "We went home at noon. Then it rained all day."  # previous text for the rest
+    # A user's prompt (names, spellings) stays before it, as openai/whisper's initial prompt does:
+    # the continuation was decoded without it.
+    piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0])
+    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=" Siobhan, Kwyjibo. ", timestamps=True)
+    assert plan.prompt == "Siobhan, Kwyjibo. We went home at noon. Then it rained all day."
     assert piece.duration_s == pytest.approx(5.0)
     # The rest of the piece is silence: nothing is continued.
     quiet = _loud()

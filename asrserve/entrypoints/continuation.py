@@ -63,7 +63,7 @@ class Continuation:
 
     seek_s: float  # from the start of the parent piece
     reason: str  # "early_stop", "length", "repetition", "implausible_segment" or "implausible_open": for logs
-    prompt: str | None  # the parent's text, as previous text
+    prompt: str | None  # the user's prompt and the parent's text, as previous text
     samples: np.ndarray  # the parent's audio from seek_s on
     result: PieceResult  # where its outputs go: offset and language follow the parent's
 
@@ -119,7 +119,9 @@ def plan_continuation(
     # Not text that looped either: conditioned on three copies of a sentence, the rest stopped
     # after its first words.
     carried = text and temperature <= MAX_PROMPT_TEMPERATURE and reason != "repetition"
-    prompt = text if carried else user_prompt
+    prompt = text if carried else None
+    if user_prompt and user_prompt.strip():  # as openai/whisper: the user's prompt, then the text before
+        prompt = f"{user_prompt.strip()} {prompt}" if prompt else user_prompt  # (its last 223 tokens are read)
     rest = samples[start_sample:]
     result = PieceResult(
         piece.offset_s + start_sample / SAMPLE_RATE, len(rest) / SAMPLE_RATE, language=piece.language or language,
