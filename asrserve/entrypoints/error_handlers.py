@@ -3,6 +3,7 @@ errors, Starlette's HTTP errors (404 route, 405 method) and, last, bugs (500, lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from fastapi import FastAPI, Request
@@ -81,7 +82,8 @@ def add_error_handlers(app: FastAPI) -> None:
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
         rid = getattr(request.state, "request_id", None)
         logger.exception("internal error on %s %s (request %s)", request.method, request.url.path, rid)
-        error.asrserve_logged = True  # Starlette re-raises it to the server, which would log it again
+        with contextlib.suppress(AttributeError):  # (an exception without a __dict__ is logged twice)
+            error.asrserve_logged = True  # Starlette re-raises it to the server, which would log it again
         failure = internal_error()
         # (Sent from outside the middleware that stamps every response with its id.)
         headers = {**failure.headers, **({"x-request-id": rid} if rid else {})}
