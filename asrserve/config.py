@@ -93,8 +93,8 @@ class ModelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):  # (whether CUDA is there: the engine's to say)
-            raise ValueError(f"device {self.device!r} is not a device: use auto, cpu, cuda or cuda:N")
+        if not re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", str(self.device)):  # (is CUDA there? the engine's to say)
+            raise ValueError(f"device {str(self.device)!r} is not one asrserve runs on: use auto, cpu, cuda or cuda:N")
         if self.dtype != "auto" and self.dtype not in DTYPES:  # (before the engine process starts)
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(sorted(set(DTYPES)))}")
         if self.load_format not in ("auto", "dummy"):

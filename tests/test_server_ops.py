@@ -333,7 +333,7 @@ def test_engine_settings_this_model_cannot_take_are_one_line():
     ("--realtime-max-interim-decodes", "0", "--realtime-max-interim-decodes"),  # was the default, silently
     ("--realtime-idle-timeout-s", "0", "--realtime-idle-timeout-s must be positive"),  # was "the realtime timeout"
     ("--dtype", "float8", "dtype"),  # was a traceback from the engine process
-    ("--device", "foo", "device 'foo' is not a device"),  # was seconds later, once the engine had started
+    ("--device", "foo", "device 'foo' is not one asrserve runs on"),  # was seconds later, once the engine had started
 ])
 def test_flag_values_that_would_break_the_server_are_refused_at_start(flag, value, named):
     """...with a line that names the flag the user gave, not the configuration field behind it."""

@@ -64,7 +64,8 @@ class CleanupStreamingResponse(StreamingResponse):
         except asyncio.CancelledError:
             if not (started and self.shutting_down()) or ended:
                 raise  # (before the headers, the server answers 503 itself)
-            self.outcome.failed_status = self.outcome.failed_status or 503
+            if not done:  # (cut off after [DONE], the client has its transcript)
+                self.outcome.failed_status = self.outcome.failed_status or 503
             last = b"" if done else sse(shutting_down_error().body()).encode()  # none after [DONE]
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
