@@ -56,6 +56,11 @@ def test_index_links_the_playground_and_the_playground_loads_only_its_own_files(
     # Both pages name an (empty) icon, so that no browser asks for /favicon.ico, a 404 in the log.
     assert '<link rel="icon" href="data:,">' in index.text and '<link rel="icon" href="data:,">' in page.text
 
+    # With a slash, back to the page relatively: Starlette's redirect named /playground from the
+    # root, out of a reverse proxy's prefix (/asr/playground/ -> /playground, a 404 there).
+    slash = client.get("/playground/", follow_redirects=False)
+    assert slash.status_code == 307 and slash.headers["location"] == "../playground"
+
     missing = client.get("/playground/missing.js")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert client.get("/playground/..%2Fserving_playground.py").status_code == 404
@@ -178,9 +183,22 @@ def test_the_playground_sends_its_task_and_prompt(chromium, server, speech_audio
             document.getElementById('transcribe').click(); })()""")
         browser.wait_for("document.getElementById('upload-status').textContent.includes(' in ')", timeout=60)
         sent = browser.evaluate("window.sent")
+        # Live with a language tiny.en cannot read: the refused session.update ends the session
+        # (it went on transcribing English without the language asked for, under the error).
+        browser.evaluate("""(() => { document.getElementById('language').value = 'fr';
+            document.getElementById('live').click(); })()""")
+        browser.wait_for("""document.getElementById('live').textContent === 'Live'
+            && document.getElementById('live-status').textContent.includes('English-only')""", timeout=60)
+        # A key pasted with an invisible character is said to be one, not "server unreachable" retried for ever.
+        browser.evaluate("""(() => { const key = document.getElementById('api-key');
+            key.value = 'sk-playground\\u200b'; key.dispatchEvent(new Event('change'));
+            document.getElementById('transcribe').click(); })()""")
+        unsendable = browser.wait_for("""(() => { const s = document.getElementById('server-status').textContent,
+            u = document.getElementById('upload-status').textContent;
+            return s.includes('cannot carry') && u.includes('cannot carry') && s; })()""", timeout=30)
     finally:
         browser.close()
-    assert "cannot translate" in refused
+    assert "cannot translate" in refused and "unreachable" not in unsendable
     assert [url for url, _ in sent] == ["v1/audio/translations", "v1/audio/transcriptions"]
     assert all(["prompt", "Harvard sentences."] in fields for _, fields in sent), sent
 

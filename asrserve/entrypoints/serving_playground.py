@@ -80,6 +80,12 @@ def add_page_routes(app: FastAPI, state: ServerState) -> None:
     async def playground() -> Response:
         return asset("index.html")
 
+    @app.get("/playground/", include_in_schema=False)
+    async def playground_with_a_slash() -> Response:
+        # Relative: Starlette's own redirect names /playground from the root, out of a reverse
+        # proxy's path prefix (/asr/playground/ led to /playground, a 404 at the proxy).
+        return Response(status_code=307, headers={"Location": "../playground"})
+
     @app.get("/playground/{name}", include_in_schema=False)
     async def playground_asset(name: str) -> Response:
         return asset(name)

@@ -16,8 +16,13 @@ function apiKey() {
   return $("api-key").value.trim();
 }
 
+// A header holds printable ASCII only: fetch refuses anything else (a pasted zero-width space)
+// with a message about ISO-8859-1 that reads like a network failure.
+const UNSENDABLE_KEY = "the API key holds a character a request cannot carry (an invisible one, pasted?): type it again";
+
 function authHeaders() {
   const key = apiKey();
+  if (/[^\x21-\x7e]/.test(key)) throw new Error(UNSENDABLE_KEY);
   return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
@@ -41,18 +46,29 @@ async function loadModels() {
   }
   const { data } = await response.json();
   const chosen = select.value;
-  select.replaceChildren(...data.map((model) => new Option(model.id, model.id)));
-  if (data.some((model) => model.id === chosen)) select.value = chosen;
+  const names = data.map((model) => model.id);
+  if (names.join("\n") !== [...select.options].map((option) => option.value).join("\n")) {
+    select.replaceChildren(...names.map((name) => new Option(name, name))); // (an open list stays open)
+  }
+  if (names.includes(chosen)) select.value = chosen;
   const ready = data.every((model) => model.ready);
   setStatus("server-status", ready ? "ready" : "loading the model…");
-  if (!ready) setTimeout(pollModels, 1000);
+  // Ready, it is asked again now and then: a server that went away is then shown so.
+  pollTimer = setTimeout(pollModels, ready ? 10000 : 1000);
 }
 
-// Until the model is ready, and while the server cannot be reached (restarting, say).
+// Until the model is ready, then now and then; every 2 s while the server cannot be reached
+// (restarting, say). A key that cannot be sent is said once, not retried.
+let pollTimer = null;
 function pollModels() {
+  clearTimeout(pollTimer);
   loadModels().catch((error) => {
+    if (error.message === UNSENDABLE_KEY) {
+      setStatus("server-status", error.message, true);
+      return;
+    }
     setStatus("server-status", `server unreachable (${error.message}); retrying`, true);
-    setTimeout(pollModels, 2000);
+    pollTimer = setTimeout(pollModels, 2000);
   });
 }
 
@@ -230,6 +246,13 @@ function onLiveEvent(session, event) {
       // Stopping commits the open turn; if it had just been committed, the server says so. Not news.
       if (session.stopping && event.error.code === "input_audio_buffer_commit_empty") session.awaitingCommit = false;
       else setStatus("live-status", event.error.message, true);
+      // The model, language or prompt asked for was refused: transcribing on without them would
+      // show text made with settings nobody chose (server VAD refused: turns are committed on Stop).
+      if ((event.error.param || "").startsWith("session.audio.input.transcription")) {
+        session.failed = session.stopping = true;
+        stopCapture(session);
+        session.socket.close(1000);
+      }
       break;
   }
   closeWhenDone(session);
@@ -279,6 +302,10 @@ function stopCapture(session) {
 }
 
 async function startLive() {
+  if (!window.isSecureContext || !navigator.mediaDevices) {  // (checked before a session is opened)
+    throw new Error("the microphone needs this page served over https, or from localhost: browsers give "
+      + "no microphone to other plain-http pages");
+  }
   const protocols = ["realtime"];
   if (apiKey()) protocols.push(`openai-insecure-api-key.${apiKey()}`);
   const url = new URL("v1/realtime?intent=transcription", location.href);
@@ -302,6 +329,11 @@ async function startLive() {
   socket.onclose = (event) => {
     session.closed = true;
     stopCapture(session);
+    for (const itemId of session.pending) {  // committed, but its transcript never came
+      const item = liveItem(itemId);
+      item.className = "failed";
+      item.querySelector(".text").textContent += " [cut off: the connection closed before the transcript came]";
+    }
     if (live === session) endLive();
     if (!session.stopping) {
       // A refused handshake shows as 1006 with no reason; the browser does not say why.
@@ -363,7 +395,8 @@ function stopLive() {
   stopCapture(session);
   if (session.socket.readyState !== WebSocket.OPEN) return;
   setStatus("live-status", "finishing…");
-  setTimeout(() => session.socket.close(1000), 15000); // do not wait for ever
+  // Not for ever; a long last turn's final decode takes seconds on a CPU (15 s cut one off).
+  setTimeout(() => session.socket.close(1000), 120000);
   // Between server VAD's turns there is nothing to commit: the server would commit the silence
   // it keeps as a turn's prefix padding, and Whisper reads silence as "you".
   if (session.turnOpen || (!session.vad && session.appended)) {  // (without VAD, all of it is the turn)
