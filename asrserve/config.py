@@ -257,16 +257,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be between 1 and 65535, got {self.port}")
-        # NaN passes every comparison below, and inf breaks the arithmetic behind them.
-        not_finite = [name for name in _SERVER_SECONDS_AND_SIZES if not math.isfinite(getattr(self, name))]
-        if not_finite:
-            raise ValueError(f"{', '.join(not_finite)}: must be a finite number")
         for name, at_least_one in _SERVER_COUNTS:
             value = getattr(self, name)
             if value is not None and value < (1 if at_least_one else 0):
                 raise ValueError(f"{name} must be at least {1 if at_least_one else 0}, got {value}")
         for name, positive in _SERVER_LIMITS:
             value = getattr(self, name)
+            if not math.isfinite(value):  # NaN passes every comparison, and inf breaks the arithmetic behind them
+                raise ValueError(f"{name}: must be a finite number")
             if value < 0 or (positive and value == 0):
                 raise ValueError(f"{name} must be {'positive' if positive else '>= 0'}, got {value}")
 
@@ -276,7 +274,7 @@ _SERVER_COUNTS = (
     ("realtime_max_interim_decodes", True), ("preprocess_workers", True), ("max_waiting_requests", True),
     ("realtime_max_sessions", False),
 )
-# (name, must be positive rather than >= 0)
+# Seconds and sizes: finite, and (name, must be positive rather than >= 0)
 _SERVER_LIMITS = (
     ("engine_death_grace_s", False), ("engine_stall_timeout_s", False), ("max_audio_filesize_mb", True),
     ("max_audio_duration_s", True), ("max_audio_in_flight_s", True), ("realtime_idle_timeout_s", True),
@@ -284,10 +282,3 @@ _SERVER_LIMITS = (
     ("graceful_shutdown_timeout_s", False), ("upload_idle_timeout_s", True), ("upload_min_rate_kb_s", False),
 )
 
-
-_SERVER_SECONDS_AND_SIZES = (
-    "max_audio_filesize_mb", "max_audio_duration_s", "max_audio_in_flight_s", "engine_death_grace_s",
-    "engine_stall_timeout_s",
-    "graceful_shutdown_timeout_s", "upload_idle_timeout_s", "upload_min_rate_kb_s", "realtime_idle_timeout_s",
-    "realtime_max_buffer_s", "realtime_interim_interval_s", "realtime_pause_ms",
-)

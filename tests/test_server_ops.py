@@ -500,7 +500,7 @@ def test_a_stream_waiting_for_its_first_text_sends_comments_a_proxy_sees(monkeyp
     params = SimpleNamespace(request=SimpleNamespace(include=None, prompt=None))
 
     async def until_the_client_leaves() -> list[str]:
-        events = transcription_stream.sse_events(state, SlowJob(), params, transcription_stream.StreamOutcome(None))
+        events = transcription_stream.sse_events(state, SlowJob(), params, transcription_stream.StreamOutcome())
         sent = []
         async for event in events:
             sent.append(event)
@@ -610,10 +610,10 @@ def test_a_bug_mid_stream_ends_the_stream_with_an_error_event(caplog):
             self.aborted = True
 
     async def events(job, outcome) -> list[str]:
-        params = SimpleNamespace(request=SimpleNamespace(include=None))
+        params = SimpleNamespace(request=SimpleNamespace(include=None), request_id="req_stream_with_a_bug")
         return [event async for event in sse_events(None, job, params, outcome)]
 
-    job, outcome = BrokenJob(), StreamOutcome("req_stream_with_a_bug")
+    job, outcome = BrokenJob(), StreamOutcome()
     with caplog.at_level(logging.ERROR, logger="asrserve.server"):
         sent = asyncio.run(events(job, outcome))
     assert json.loads(sent[0][len("data: "):])["delta"] == "Hello"

@@ -191,7 +191,7 @@ async def _run_job(
             waiting.release()
             held.release()
 
-        outcome = StreamOutcome(job_params.request_id)
+        outcome = StreamOutcome()
         return CleanupStreamingResponse(
             sse_events(state, job, job_params, outcome),
             cleanup,

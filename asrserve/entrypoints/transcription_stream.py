@@ -29,8 +29,7 @@ class StreamOutcome:
     transcription could fail, and the status its error event stands for is what an operator's
     error rate must see."""
 
-    def __init__(self, request_id: str | None):
-        self.request_id = request_id
+    def __init__(self):
         self.failed_status: int | None = None
 
 
@@ -100,7 +99,7 @@ async def sse_events(
     except Exception as error:  # the error a request not streamed would have got, as the last event
         failure = job_error(error)
         if failure is None:  # a bug: the client still learns that the stream failed, as a 500 would say
-            logger.exception("a transcription stream failed (request %s)", outcome.request_id)
+            logger.exception("a transcription stream failed (request %s)", job_params.request_id)
             failure = internal_error()
         outcome.failed_status = failure.status_code
         yield sse(failure.body())
