@@ -135,6 +135,10 @@ def test_a_chained_ogg_file_is_read_whole(subtype):
         vorbis = io.BytesIO()
         soundfile.write(vorbis, tone(3, 48_000), 48_000, format="OGG", subtype="VORBIS")
         assert abs(len(load_audio(vorbis.getvalue() + parts[1])) / SAMPLE_RATE - 3.0) < 0.2
+    # Refused from one file's length, which is all the container declares: the message says so
+    # rather than call the 7 s file 4 s long.
+    with pytest.raises(AudioTooLongError, match=r"audio is at least [34]\.0 s long; at most 2 s"):
+        load_audio(b"".join(parts), max_duration_s=2)
 
 
 @pytest.mark.parametrize("codec", [["-c:a", "libmp3lame", "-q:a", "6", "-write_xing", "0", "-f", "mp3"],

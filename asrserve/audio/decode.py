@@ -23,8 +23,11 @@ class AudioError(ValueError):
 
 
 class AudioTooLongError(AudioError):
-    def __init__(self, duration_s: float, max_duration_s: float, exact: bool = True, of_what: str = ""):
-        length = f"{duration_s:.1f} s long" if exact else f"longer than {max_duration_s:g} s"
+    def __init__(
+        self, duration_s: float, max_duration_s: float, exact: bool = True, of_what: str = "", at_least: bool = False,
+    ):
+        length = (f"at least {duration_s:.1f} s long" if at_least else f"{duration_s:.1f} s long") if exact \
+            else f"longer than {max_duration_s:g} s"
         super().__init__(f"audio is {length}; at most {max_duration_s:g} s{of_what} is accepted")
         self.duration_s = duration_s
         self.max_duration_s = max_duration_s
@@ -111,7 +114,7 @@ class MonoResampler:
 
     def __init__(
         self, rate: int, max_duration_s: float | None, declared_frames: int = 0, on_progress: _Progress | None = None,
-        declared_exact: bool = True, channels: int = 1,
+        declared_exact: bool = True, channels: int = 1, declared_at_least: bool = False,
     ):
         if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
             raise AudioError(f"audio has an unsupported sample rate of {rate} Hz")
@@ -123,7 +126,7 @@ class MonoResampler:
         # A declared length over the limit is refused before anything is decoded; an estimate
         # (declared_exact False: an MP3's or a bare AAC stream's) only sizes the buffer.
         if declared_exact and declared_frames > 0:
-            _check_duration(declared_frames / rate, max_duration_s, self.of_what)
+            _check_duration(declared_frames / rate, max_duration_s, self.of_what, at_least=declared_at_least)
         self.rate = rate
         self.max_duration_s = max_duration_s
         self.num_frames = 0
@@ -330,9 +333,9 @@ def _reopened(source, start: int | None, frame: int) -> soundfile.SoundFile:
     return file
 
 
-def _check_duration(duration_s: float, max_duration_s: float | None, of_what: str = "") -> None:
+def _check_duration(duration_s: float, max_duration_s: float | None, of_what: str = "", at_least: bool = False) -> None:
     if max_duration_s is not None and duration_s > max_duration_s:
-        raise AudioTooLongError(duration_s, max_duration_s, of_what=of_what)
+        raise AudioTooLongError(duration_s, max_duration_s, of_what=of_what, at_least=at_least)
 
 
 def one_line(error: Exception) -> str:

@@ -12,6 +12,9 @@ import numpy as np
 from asrserve.audio.decode import BLOCK_SAMPLES, AudioError, MonoResampler, one_line
 
 ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC and MP3 streams
+# Of Ogg files joined (a chained stream), ffmpeg declares one file's length (the last's): enough
+# to refuse a file, but the whole may be longer.
+FIRST_LINK_LENGTH_FORMATS = {"ogg"}
 # Demuxers ffmpeg may not pick for an upload, whatever its bytes look like: those that open the
 # files or addresses the bytes name (a concat script, HLS, DASH and IMF playlists, an image
 # sequence, SDP's network streams; AviSynth and VapourSynth run scripts; devices, which no
@@ -51,7 +54,8 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
             if not rate:  # a codec ffmpeg does not know, or a header too damaged to say
                 raise AudioError("could not decode audio: an unknown or damaged codec (the stream has no sample rate)")
             mono = MonoResampler(rate, max_duration_s, (container.duration or 0) * rate // 1_000_000, on_progress,
-                                 exact, channels=stream.layout.nb_channels)
+                                 exact, channels=stream.layout.nb_channels,
+                                 declared_at_least=container.format.name in FIRST_LINK_LENGTH_FORMATS)
             # Float samples at the stream's own rate and channel layout, mixed down and resampled
             # to 16 kHz block by block. Frames in planar float are read as they are; any other
             # goes through a converter to interleaved float. A frame whose format, layout or rate
