@@ -282,3 +282,35 @@ def test_live_without_server_vad_commits_what_was_said_on_stop(chromium, speech_
         browser.close()
         process.stop()
     assert len(shown) == 1 and close_enough(SENTENCES[5], shown[0], SENTENCES[5]), shown
+
+
+@pytest.mark.slow
+def test_the_live_capture_filters_what_it_cannot_resample_where_the_browser_captures_at_48_khz(chromium, server):
+    """Browsers that cannot open the microphone at 24 kHz capture at its own rate and the
+    worklet resamples. A tone above 12 kHz (at 20 kHz, a hiss) then folded down to 4 kHz at
+    full strength; a low-pass ahead of the worklet keeps speech and removes it."""
+    browser = Browser(chromium)
+    try:
+        browser.open(f"{server.url}/playground")
+        browser.wait_for("document.readyState === 'complete'")
+        rms_of = """(async (frequency) => {
+            const context = new OfflineAudioContext(1, 48000, 48000);
+            const tone = new OscillatorNode(context, { frequency });
+            const gain = new GainNode(context, { gain: 0.5 });
+            tone.connect(gain);
+            const chunks = [];
+            await connectCapture(context, gain, (chunk) => chunks.push(new Int16Array(chunk)));
+            tone.start();
+            await context.startRendering();
+            await new Promise((resolve) => setTimeout(resolve, 300));  // the worklet's last messages
+            const samples = chunks.slice(1).flatMap((chunk) => [...chunk]);  // after the filter settles
+            const power = samples.reduce((sum, value) => sum + (value / 32767) ** 2, 0) / samples.length;
+            return [chunks.length, chunks[0].length, Math.sqrt(power)];
+        })"""
+        speech_band = browser.evaluate(f"{rms_of}(1000)")
+        above = browser.evaluate(f"{rms_of}(20000)")
+    finally:
+        browser.close()
+    assert speech_band[:2] == [10, 2400], speech_band  # 100 ms chunks of 24 kHz
+    assert abs(speech_band[2] - 0.5 / 2**0.5) < 0.02, speech_band
+    assert above[2] < 0.01, above  # at least 37 dB down; folded whole, it was 0.35

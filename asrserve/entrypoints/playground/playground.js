@@ -264,6 +264,30 @@ function closeWhenDone(session) {
   if (session.stopping && !session.awaitingCommit && session.pending.size === 0) session.socket.close(1000);
 }
 
+// An 8th-order Butterworth low-pass as four biquads: their Q values, in decibels (the unit Web
+// Audio's low-pass takes), of 1 / (2 cos((2k + 1) pi / 16)) for k = 0..3.
+const BUTTERWORTH8_Q_DB = [0.5098, 0.6013, 0.9, 2.5629].map((q) => 20 * Math.log10(q));
+
+// Connects `source` to the worklet that posts 16-bit PCM chunks at LIVE_RATE to onChunk. Where the
+// context runs faster than that (the browser could not capture at LIVE_RATE itself), a low-pass
+// at 0.45 x LIVE_RATE goes first: the worklet's interpolation alone folds what lies above the
+// new Nyquist frequency (a 20 kHz hiss at 48 kHz) down into the speech band (to 4 kHz).
+async function connectCapture(context, source, onChunk) {
+  await context.audioWorklet.addModule("playground/pcm-worklet.js");
+  const capture = new AudioWorkletNode(context, "pcm16-capture", { processorOptions: { targetRate: LIVE_RATE } });
+  capture.port.onmessage = ({ data }) => onChunk(data);
+  let last = source;
+  if (context.sampleRate > LIVE_RATE) {
+    for (const Q of BUTTERWORTH8_Q_DB) {
+      const filter = new BiquadFilterNode(context, { type: "lowpass", frequency: 0.45 * LIVE_RATE, Q });
+      last.connect(filter);
+      last = filter;
+    }
+  }
+  last.connect(capture);
+  capture.connect(context.destination); // silent: it writes no output, but is pulled
+}
+
 async function startCapture(session) {
   session.stream = await navigator.mediaDevices.getUserMedia({
     // Whisper was trained on unprocessed audio: no echo cancelling, denoising or gain riding.
@@ -279,18 +303,12 @@ async function startCapture(session) {
     session.context = new AudioContext();
     source = session.context.createMediaStreamSource(session.stream);
   }
-  await session.context.audioWorklet.addModule("playground/pcm-worklet.js");
-  const capture = new AudioWorkletNode(session.context, "pcm16-capture", {
-    processorOptions: { targetRate: LIVE_RATE },
-  });
-  capture.port.onmessage = ({ data }) => {
+  await connectCapture(session.context, source, (chunk) => {
     if (session.socket.readyState === WebSocket.OPEN && !session.stopping) {
-      session.socket.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(data) }));
+      session.socket.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(chunk) }));
       session.appended = true;
     }
-  };
-  source.connect(capture);
-  capture.connect(session.context.destination); // silent: it writes no output, but is pulled
+  });
   await session.context.resume();
 }
 
