@@ -552,6 +552,28 @@ def test_a_clear_withdraws_the_text_sent_and_keeps_the_audio_clock():
     assert abs(session.audio.end - 10 * 16_000) <= 10  # ten seconds written, ten counted
 
 
+def test_a_format_change_keeps_what_the_old_resampler_held_back():
+    """A session.update that changes the input format ends the old format's audio where it was
+    written: the ~20 ms the 24 kHz resampler still held were dropped, and every audio_start_ms
+    after it came 20 ms early (and the item lost its last 20 ms)."""
+    async def scenario():
+        engine = _RecordingEngine()
+        session, events = _session(SessionConfig(turn_detection=None), engine)
+        for _ in range(5):
+            await session.handle(_append(np.full(24_000, 0.3)))
+            for rate in (16_000, 24_000):
+                await session.handle({"type": "session.update", "session": {
+                    "type": "transcription", "audio": {"input": {"format": {"type": "audio/pcm", "rate": rate}}}}})
+        await session.handle({"type": "input_audio_buffer.commit"})
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return session, engine.audios
+
+    session, audios = asyncio.run(scenario())
+    assert abs(session.audio.end - 5 * 16_000) <= 10, session.audio.end  # five seconds written, five counted
+    assert len(audios) == 1 and abs(len(audios[0]) - 5 * 16_000) <= 10
+
+
 def test_a_session_update_mid_turn_drops_the_final_started_at_a_pause():
     """A final decode starts at a short pause, before the turn ends; the person goes on, and a
     session.update changes turn detection: that final is not the turn's, so it is dropped and

@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from asrserve.audio.chunking import quietest_point
 from asrserve.audio.streaming_vad import TurnDetector, TurnEvent, VADStream
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
@@ -71,7 +73,9 @@ class RealtimeSession:
     async def _update(self, event: dict[str, Any]) -> None:
         config = self.config.updated(event.get("session"))
         if (config.format, config.rate) != (self.config.format, self.config.rate):
-            self.decoder = InputAudioDecoder(config)
+            # (the ~20 ms the old resampler held back end what was written: dropped, they cost the clock)
+            tail, self.decoder = self.decoder.flush(), InputAudioDecoder(config)
+            await self._take(tail, limited=False)
         vad_changed = config.turn_detection != self.config.turn_detection
         self.config = config
         if vad_changed:
@@ -81,13 +85,13 @@ class RealtimeSession:
         await self.send(server_event("session.updated", session=config.as_session(self.session_id)))
 
     async def _append(self, event: dict[str, Any]) -> None:
-        samples = self.decoder.decode(event.get("audio"))
+        await self._take(self.decoder.decode(event.get("audio")))
+
+    async def _take(self, samples: np.ndarray, limited: bool = True) -> None:
         start = self.item.start if self.item is not None else self.audio.end  # (an append may open one)
-        if self.audio.end + len(samples) - start > self.options.max_buffer_s * SAMPLE_RATE:
-            raise RealtimeError(
-                f"the input audio buffer is full ({self.options.max_buffer_s:g} s uncommitted): commit or clear it",
-                param="audio", code="input_audio_buffer_full",
-            )
+        if limited and self.audio.end + len(samples) - start > self.options.max_buffer_s * SAMPLE_RATE:
+            raise RealtimeError(f"the input audio buffer is full ({self.options.max_buffer_s:g} s uncommitted): "
+                                "commit or clear it", param="audio", code="input_audio_buffer_full")
         self.audio.append(samples)
         if self.turns is None:
             if self.item is None and len(samples):
@@ -114,9 +118,8 @@ class RealtimeSession:
         # padding of what came since the last turn (no speech was heard); without, nothing.
         start = self.item.start if self.item is not None else self.audio.origin
         if self.audio.end - start < MIN_COMMIT_SAMPLES:
-            raise RealtimeError(
-                "the input audio buffer holds less than 100 ms of audio to commit", code="input_audio_buffer_commit_empty",
-            )
+            raise RealtimeError("the input audio buffer holds less than 100 ms of audio to commit",
+                                code="input_audio_buffer_commit_empty")
         item = self.item or self._new_item(start)
         if self.turns is not None:
             # The turn ends here, whatever VAD was hearing; VAD starts again after what was
