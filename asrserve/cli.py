@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe.add_argument("--language", "-l", default=None,
                             help="ISO-639-1 code or English name (de, German); detected when omitted or empty "
                             "(as the server's empty form field)")
+    transcribe.add_argument("--languages", default="", metavar="CODES",
+                            help="the languages the audio may be in, comma-separated (de,fr): detection "
+                            "picks among them (OpenAI's languages field)")
     transcribe.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     transcribe.add_argument(
         "--response-format", "-f", choices=["text", "json", "verbose_json", "srt", "vtt"], default="text",
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="time every word (verbose_json shows them)")
     transcribe.add_argument("--prompt", default=None,
                             help="text that came before the audio: spellings, names, style")
+    transcribe.add_argument("--keyword", dest="keywords", action="append", default=[], metavar="WORDS",
+                            help="a word or phrase to expect (OpenAI's keywords), read in front of the "
+                            "prompt; repeat for more")
     transcribe.add_argument("--no-fallback", dest="fallback", action="store_false",
                             help="decode once: no temperature fallback, no silence detection")
     transcribe.add_argument("--best-of", type=int, default=None,

@@ -62,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
             # how the text is decoded (with timestamp tokens).
             word_timestamps=args.word_timestamps and args.response_format == "verbose_json",
             prompt=args.prompt, fallback=args.fallback, best_of=args.best_of, chunking_strategy=chunking,
-            seek_continuation=args.seek_continuation,
+            seek_continuation=args.seek_continuation, keywords=args.keywords,
+            languages=[code.strip() for code in args.languages.split(",") if code.strip()],
         )
         for index, transcription in results:
             ready[index] = transcription

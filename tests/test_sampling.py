@@ -102,3 +102,20 @@ def test_every_bit_of_a_seed_tells_samples_apart():
     assert draws(0) != draws(2**32) != draws(-(2**63))
     assert draws(5, (1, 0)) != draws(1005, (0, 0)) and draws(5, (0, 1)) != draws(6, (0, 0))
     assert draws(2**63 - 1) == draws(2**63 - 1)  # and a seed still gives the same samples
+
+
+def test_language_detection_picks_among_the_languages_a_request_lists():
+    """Each row of a detection step keeps the language tokens of its own list (none: every
+    language token); everything else, other rows' choices included, is -inf."""
+    from asrserve.worker.sampler import OnlyLanguages
+
+    ids = {"en": 10, "de": 11, "fr": 12, "es": 13}
+    logits = torch.randn(3, 20)
+    original = logits.clone()
+    OnlyLanguages(ids, 20, torch.device("cpu")).apply(logits, torch.tensor([0, 2]), [(), ("fr", "de")])
+    assert torch.isinf(logits[0, :10]).all() and torch.isinf(logits[0, 14:]).all()
+    assert torch.equal(logits[0, 10:14], original[0, 10:14])
+    assert torch.equal(logits[1], original[1])  # not a detection row
+    kept = [11, 12]
+    assert torch.equal(logits[2, kept], original[2, kept])
+    assert torch.isinf(logits[2, [i for i in range(20) if i not in kept]]).all()

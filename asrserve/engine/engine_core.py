@@ -11,7 +11,7 @@ from asrserve.config import EngineConfig, resolve_device, resolve_dtype, resolve
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import DecodeSummary, Request, SamplingParams
-from asrserve.engine.request_checks import check_audio_piece, check_language, holds_no_speech
+from asrserve.engine.request_checks import check_audio_piece, check_language, check_languages, holds_no_speech
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
 from asrserve.model.loader import load_model
@@ -82,7 +82,9 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sampling_params = sampling_params or SamplingParams()
         check_audio_piece(audio)
-        language = self.check_language(language, task)
+        language, choice = check_languages(self.tokenizer, self.model_name, language, sampling_params.languages, task)
+        if choice != sampling_params.languages:  # (normalised: "German" is "de"; one listed is the language)
+            sampling_params = replace(sampling_params, languages=choice)
         known_language = language if self.is_multilingual else "en"
         if holds_no_speech(audio):
             self.finished_without_model[request_id] = _silence_output(request_id, known_language)

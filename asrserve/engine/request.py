@@ -47,6 +47,8 @@ class SamplingParams:
     # requests stepping every 5 ms on a GPU, ~50,000 outputs a second for the server's event
     # loop to route: its throughput over HTTP was a third of the engine's.
     stream_tokens: bool = True
+    # Where the language is detected: the codes it may pick (OpenAI's `languages`); empty: any.
+    languages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # (The offline API passes what its caller gave: a "0.5" or a 2.5 failed deep in a step.)

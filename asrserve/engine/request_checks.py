@@ -3,6 +3,8 @@ them before any audio work, so a bad language costs nothing)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from asrserve.config import N_SAMPLES, SAMPLE_RATE
@@ -44,6 +46,26 @@ def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str |
             )
         raise InvalidRequestError(f"{model_name} does not know the language {code!r}")
     return code
+
+
+def check_languages(
+    tokenizer: WhisperTokenizer, model_name: str, language: str | None, languages: Sequence[str], task: str,
+) -> tuple[str | None, tuple[str, ...]]:
+    """A request's language and OpenAI's `languages` (those the audio may be in) -> the language
+    to decode in (None: detect it) and the languages a detection may pick (empty: any). One
+    language listed is the language; a language given must be among those listed."""
+    if isinstance(languages, str) or not all(isinstance(each, str) for each in languages):
+        raise InvalidRequestError("languages must be a list of language codes", param="languages")
+    try:
+        codes = tuple(dict.fromkeys(check_language(tokenizer, model_name, each, task) for each in languages))
+    except InvalidRequestError as error:
+        raise InvalidRequestError(f"languages: {error}", param="languages") from None
+    language = check_language(tokenizer, model_name, language, task)
+    if language is not None:
+        if codes and language not in codes:
+            raise InvalidRequestError(f"language {language!r} is not among languages {list(codes)}", param="language")
+        return language, ()
+    return (codes[0], ()) if len(codes) == 1 else (None, codes)
 
 
 def check_audio_piece(audio: np.ndarray) -> None:

@@ -47,18 +47,19 @@ class LiveDecode:
     token_times: list[float] | None = None  # interim decodes: when each token starts (s, from the audio's start)
 
 
-def interim_params() -> SamplingParams:
+def interim_params(languages: tuple[str, ...] = ()) -> SamplingParams:
     """Greedy, once: an interim decode is replaced a moment later, so it must be quick. Word
     timestamps (from the cross-attention the decode computes anyway) say which words lie well
-    inside the audio decoded so far."""
-    return SamplingParams(temperature=0.0, no_speech_threshold=NO_SPEECH_THRESHOLD, word_timestamps=True)
+    inside the audio decoded so far. languages: those a detection may pick (empty: any)."""
+    return SamplingParams(temperature=0.0, no_speech_threshold=NO_SPEECH_THRESHOLD, word_timestamps=True,
+                          languages=languages)
 
 
-def final_params(has_prefix: bool) -> SamplingParams:
+def final_params(has_prefix: bool, languages: tuple[str, ...] = ()) -> SamplingParams:
     """OpenAI's transcription defaults, as a file upload gets them (temperature fallback with
     best_of 5, silence judgement): a live transcript is as accurate as the same audio sent as a
     file. Once words have been sent they stand: no silence judgement then."""
-    params = SamplingParams.transcription(0.0)
+    params = SamplingParams.transcription(0.0, languages=languages)
     if has_prefix:
         return replace(params, no_speech_threshold=None)
     return params

@@ -40,7 +40,8 @@ async def interim_loop(session: RealtimeSession) -> None:
             try:
                 result = await live_decode.decode(
                     session.engine, session.tokenizer, session.audio.slice(segment.start, end),
-                    session.config.language, session.config.prompt, segment.stable, live_decode.interim_params(),
+                    session.config.language, session.config.decode_prompt, segment.stable,
+                    live_decode.interim_params(session.config.languages),
                     previous=segment.previous,
                 )
             except EngineDeadError:

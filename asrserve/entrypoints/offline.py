@@ -6,7 +6,7 @@ import itertools
 import numbers
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,8 @@ from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import RequestOutput, SamplingParams
 from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
 from asrserve.entrypoints.offline_engine import SharedEngine
-from asrserve.entrypoints.offline_inputs import input_sources
+from asrserve.entrypoints.offline_inputs import input_languages, input_sources
+from asrserve.entrypoints.protocol import prompt_with_keywords
 from asrserve.entrypoints.pieces import (
     PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, spoken_language, transcript_text,
 )
@@ -133,6 +134,8 @@ class ASR:
         best_of: int | None = None,
         chunking_strategy: str | dict | ChunkingStrategy | None = None,
         seek_continuation: bool = True,
+        languages: Sequence[str] = (),
+        keywords: Sequence[str] = (),
     ) -> list[Transcription]:
         """Transcribes one input or many (paths, encoded bytes, or 16 kHz float arrays).
 
@@ -142,7 +145,9 @@ class ASR:
         boundaries, skipping non-speech; "energy" cuts at quiet points. seek_continuation: decode the rest of a
         piece again from its last segment when Whisper stopped early in it.
         language: one code for every input, or one per input (None: detect it), so files in
-        several languages still decode side by side.
+        several languages still decode side by side. languages: those the audio may be in (OpenAI's
+        field): detection picks among them. keywords: words and phrases to expect (OpenAI's), read
+        in front of the prompt.
         errors="raise" raises InvalidRequestError for a bad argument before anything runs, and
         AudioError for the first input that cannot be read when it is read (inputs are read as
         the engine makes room; results before it are dropped); errors="return" gives that
@@ -162,7 +167,8 @@ class ASR:
             sources, language=language, task=task, temperature=temperature, seed=seed,
             max_tokens=max_tokens, errors=errors, progress=progress, timestamps=timestamps,
             word_timestamps=word_timestamps, prompt=prompt, fallback=fallback, best_of=best_of,
-            chunking_strategy=chunking_strategy, seek_continuation=seek_continuation,
+            chunking_strategy=chunking_strategy, seek_continuation=seek_continuation, languages=languages,
+            keywords=keywords,
         ):
             results[index] = transcription
         return results  # type: ignore[return-value]
@@ -186,6 +192,8 @@ class ASR:
         best_of: int | None = None,
         chunking_strategy: str | dict | ChunkingStrategy | None = None,
         seek_continuation: bool = True,
+        languages: Sequence[str] = (),
+        keywords: Sequence[str] = (),
     ) -> Iterator[tuple[int, Transcription]]:
         """Yields (input index, transcription) as each input completes. Inputs are decoded
         lazily, keeping at most max_in_flight pieces queued, so a long list of files (or a
@@ -194,6 +202,9 @@ class ASR:
             raise ValueError("errors must be 'raise' or 'return'")
         if prompt is not None and not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be text, got {type(prompt).__name__}")
+        if isinstance(keywords, str) or not all(isinstance(keyword, str) for keyword in keywords):
+            raise InvalidRequestError("keywords must be a list of words or phrases")
+        prompt = prompt_with_keywords(prompt, keywords)
         if max_in_flight is not None and (not isinstance(max_in_flight, numbers.Integral) or max_in_flight < 0):
             raise InvalidRequestError(f"max_in_flight must be a positive integer (0: the default), got {max_in_flight!r}")
         sources = input_sources(sources, language)
@@ -211,7 +222,8 @@ class ASR:
         # (continuations and later pieces decode past it).
         params = decode_to_the_end(params)
         text_limit = max_tokens
-        language_of = self._languages(language, count, task)
+        language_of, choice = input_languages(self.engine, language, languages, count, task)
+        params = replace(params, languages=choice)
         try:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)
         except ValueError as error:
@@ -299,19 +311,6 @@ class ASR:
             shared.release(list(requests))  # the caller stopped early: free everything
             if bar is not None:
                 bar.close()
-
-    def _languages(self, language: str | Sequence[str | None] | None, num_sources: int | None, task: str):
-        """The checked language code (or None) of input i, as a function of i."""
-        if language is None or isinstance(language, str):
-            code = self.engine.check_language(language, task)
-            return lambda index: code
-        if not isinstance(language, Iterable):
-            raise InvalidRequestError(f"language must be a code, None or one of them per input, got {language!r}")
-        languages = list(language)
-        if len(languages) != num_sources:
-            raise InvalidRequestError(f"language: {len(languages)} codes for {num_sources} inputs")
-        checked = [self.engine.check_language(code, task) for code in languages]
-        return checked.__getitem__
 
     def _finish(self, job: _Job, params: SamplingParams, text_limit: int | None, task: str) -> Transcription:
         if job.error is not None:

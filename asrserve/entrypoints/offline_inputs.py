@@ -3,11 +3,12 @@ for a generator without per-input languages, as it came, read lazily)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from asrserve.engine.request_checks import check_languages
 from asrserve.errors import InvalidRequestError
 
 
@@ -28,3 +29,22 @@ def input_sources(audio, language) -> Iterable:
     if not (language is None or isinstance(language, str)) and not hasattr(audio, "__len__"):
         return list(audio)  # one language per input: counted against the inputs
     return audio
+
+
+def input_languages(engine, language: str | Sequence[str | None] | None, languages: Sequence[str],
+                    num_sources: int | None, task: str):
+    """(the checked language code, or None, of input i as a function of i; the languages a
+    detection may pick, checked: empty for any)."""
+    def check(code: str | None) -> str | None:
+        return check_languages(engine.tokenizer, engine.model_name, code, languages, task)[0]
+
+    choice = check_languages(engine.tokenizer, engine.model_name, None, languages, task)[1]
+    if language is None or isinstance(language, str):
+        code = check(language)
+        return (lambda index: code), choice
+    if not isinstance(language, Iterable):
+        raise InvalidRequestError(f"language must be a code, None or one of them per input, got {language!r}")
+    codes = list(language)
+    if len(codes) != num_sources:
+        raise InvalidRequestError(f"language: {len(codes)} codes for {num_sources} inputs")
+    return [check(code) for code in codes].__getitem__, choice

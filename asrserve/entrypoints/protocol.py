@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -54,6 +55,10 @@ class TranscriptionRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     stream: bool = False
     timestamp_granularities: list[Literal["word", "segment"]] = Field(default_factory=list)
+    # OpenAI's languages[] (those the audio may be in: language detection picks among them) and
+    # keywords[] (words and phrases to expect: Whisper reads them in front of the prompt).
+    languages: list[str] = Field(default_factory=list)
+    keywords: list[str] = Field(default_factory=list)
     # OpenAI's include[]: "logprobs" gives each text token's log-probability (json only).
     include: list[Literal["logprobs"]] = Field(default_factory=list)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -85,14 +90,23 @@ class TranscriptionRequest(BaseModel):
                 strategy = values.setdefault("chunking_strategy", {})
                 if isinstance(strategy, dict):
                     strategy[key[len("chunking_strategy[") : -1]] = items[-1]
-            elif key in ("timestamp_granularities", "include"):
+            elif key in ("timestamp_granularities", "include", "languages", "keywords"):
                 values.setdefault(key, []).extend(items)
             else:
                 values[key] = items[-1]
         try:
-            return cls.model_validate(values)
+            request = cls.model_validate(values)
         except ValidationError as error:
             raise validation_error(error.errors()) from None
+        request.prompt = prompt_with_keywords(request.prompt, request.keywords)
+        return request
+
+
+def prompt_with_keywords(prompt: str | None, keywords: Sequence[str]) -> str | None:
+    """The text the decoder is conditioned on: OpenAI's keywords as the list its guide asks a
+    Whisper prompt to be ("ZyntriQix, Digique Plus"), then the prompt, nearest the audio."""
+    keywords = [" ".join(keyword.split()) for keyword in keywords]
+    return " ".join(filter(None, [", ".join(filter(None, keywords)), prompt])) or None
 
 
 def validation_error(errors) -> APIError:

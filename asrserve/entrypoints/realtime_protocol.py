@@ -19,6 +19,7 @@ import numpy as np
 
 from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
+from asrserve.entrypoints.protocol import prompt_with_keywords
 from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
 from asrserve.errors import cut, shown
 from asrserve.model.languages import normalize_language
@@ -74,6 +75,12 @@ class SessionConfig:
     prompt: str | None = None
     turn_detection: ServerVAD | None = field(default_factory=ServerVAD)
     include_logprobs: bool = False
+    languages: tuple[str, ...] = ()  # OpenAI's: those the speech may be in (detection picks among them)
+    keywords: tuple[str, ...] = ()  # and words to expect, read in front of the prompt
+
+    @property
+    def decode_prompt(self) -> str | None:
+        return prompt_with_keywords(self.prompt, self.keywords)
 
     @property
     def input_rate(self) -> int:
@@ -91,7 +98,9 @@ class SessionConfig:
             "audio": {
                 "input": {
                     "format": audio_format,
-                    "transcription": {"model": self.model, "language": self.language, "prompt": self.prompt},
+                    "transcription": {"model": self.model, "language": self.language, "prompt": self.prompt,
+                                      **({"languages": list(self.languages)} if self.languages else {}),
+                                      **({"keywords": list(self.keywords)} if self.keywords else {})},
                     "turn_detection": self.turn_detection.as_dict() if self.turn_detection else None,
                     "noise_reduction": None,
                 }
@@ -178,22 +187,35 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
     if value is None:
         raise RealtimeError("a transcription session always transcribes: transcription cannot be null", param=param)
     value = _object(value, param)
-    _no_unknown(value, ("model", "language", "prompt"), param)
+    _no_unknown(value, ("model", "language", "prompt", "languages", "keywords"), param)
     for name in ("model", "language", "prompt"):
         if value.get(name) is not None and not isinstance(value[name], str):
             raise RealtimeError(f"{param}.{name} must be a string", param=f"{param}.{name}")
+    for name in ("languages", "keywords"):
+        items = value.get(name)
+        if items is not None and (not isinstance(items, list) or not all(isinstance(item, str) for item in items)):
+            raise RealtimeError(f"{param}.{name} must be a list of strings", param=f"{param}.{name}")
+    keywords = value.get("keywords", config.keywords) or ()
+    if len(", ".join(keywords).encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
+        raise RealtimeError(f"{param}.keywords are longer than {MAX_PROMPT_BYTES} bytes", param=f"{param}.keywords")
     if len((value.get("prompt") or "").encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
         # as over HTTP (a form field's limit): the engine reads the last 223 tokens of a prompt,
         # and every decode of the session carries the whole of it to the engine
         raise RealtimeError(f"{param}.prompt is longer than {MAX_PROMPT_BYTES} bytes", param=f"{param}.prompt")
-    return replace(
+    config = replace(
         config,
         model=value.get("model", config.model),
         # the code ("ja" for "Japanese", " JA "), as the HTTP API takes it: where the text has no
         # spaces between words is decided on it (a name that is not one is refused beside)
         language=_language_code(value.get("language", config.language)),
         prompt=value.get("prompt", config.prompt) or None,
+        languages=tuple(_language_code(code) for code in value.get("languages", config.languages) or ()),
+        keywords=tuple(keywords),
     )
+    if config.language and config.languages and config.language not in config.languages:
+        raise RealtimeError(f"language {config.language!r} is not among languages {list(config.languages)}",
+                            param=f"{param}.language")
+    return config
 
 
 def _language_code(language: str | None) -> str | None:

@@ -256,10 +256,10 @@ class RealtimeSession:
     def _start_final(self, segment: Segment, end: int) -> None:
         if segment.final is not None:
             return
-        audio = self.audio.slice(segment.start, end)
+        params = live_decode.final_params(bool(segment.stable), self.config.languages)
         segment.final = self.tasks.spawn(live_decode.decode(
-            self.engine, self.tokenizer, audio, self.config.language, self.config.prompt, segment.stable,
-            live_decode.final_params(bool(segment.stable)), final=True, previous=segment.previous,
+            self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
+            self.config.decode_prompt, segment.stable, params, final=True, previous=segment.previous,
         ))
         self.options.finals.track(segment.final)
 

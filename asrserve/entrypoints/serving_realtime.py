@@ -328,11 +328,14 @@ def _check_session(event: dict[str, Any], state: ServerState) -> None:
             check_model_name(model, state)
         except APIError as error:
             raise RealtimeError(error.message, param=f"{param}.model", code="model_not_found") from None
-    if isinstance(language, str) and language:
-        try:
-            check_language(state.tokenizer, state.model_name, language, "transcribe")
-        except InvalidRequestError as error:
-            raise RealtimeError(str(error), param=f"{param}.language") from None
+    languages = _field(transcription, "languages")
+    listed = languages if isinstance(languages, list) else []  # (anything else is refused by the protocol's rules)
+    for name, code in [("language", language), *(("languages", code) for code in listed)]:
+        if isinstance(code, str) and code:
+            try:
+                check_language(state.tokenizer, state.model_name, code, "transcribe")
+            except InvalidRequestError as error:
+                raise RealtimeError(str(error), param=f"{param}.{name}") from None
 
 
 def _field(value: Any, *path: str) -> Any:

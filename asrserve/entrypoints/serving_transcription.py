@@ -18,7 +18,7 @@ from asrserve.audio.chunking import DEFAULT_CHUNKING, ChunkingStrategy
 from asrserve.audio.decode import AudioError
 from asrserve.engine.async_client import EngineDeadError
 from asrserve.engine.request import SamplingParams
-from asrserve.engine.request_checks import check_language
+from asrserve.engine.request_checks import check_languages
 from asrserve.entrypoints.admission import AudioHeld, WaitingSlot
 from asrserve.entrypoints.auth import authorize
 from asrserve.entrypoints.error_handlers import audio_error, engine_dead_error, job_error, shutting_down_error
@@ -80,11 +80,12 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
         check_model_name(params.model, state)
         _check_format(params)
         try:
-            language = check_language(state.tokenizer, state.model_name, params.language, task)
+            language, languages = check_languages(state.tokenizer, state.model_name, params.language,
+                                                  params.languages, task)
         except InvalidRequestError as error:
             raise APIError(400, str(error), param=error.param or "language") from None
         job_params = TranscriptionParams(language, task, params, endpoint, arrival, state.chunking_strategy,
-                                         request_id=getattr(request.state, "request_id", None))
+                                         request_id=getattr(request.state, "request_id", None), languages=languages)
         return await _until_disconnect(request, _transcribe(state, form.file, job_params, waiting))
     except asyncio.CancelledError:
         if not state.shutting_down:
@@ -117,6 +118,7 @@ class TranscriptionParams:
     def __init__(
         self, language: str | None, task: str, params: TranscriptionRequest, endpoint: str, arrival: float,
         default_chunking: ChunkingStrategy = DEFAULT_CHUNKING, request_id: str | None = None,
+        languages: tuple[str, ...] = (),
     ):
         self.request_id = request_id  # (named in the log line of a stream that fails)
         self.chunking = _chunking_strategy(params.chunking_strategy, default_chunking)
@@ -136,7 +138,7 @@ class TranscriptionParams:
         self.sampling = decode_to_the_end(SamplingParams.transcription(
             params.temperature, decode_once=decode_once, seed=params.seed, max_tokens=params.max_completion_tokens,
             timestamps=self.timestamps, word_timestamps=self.words, best_of=params.best_of,
-            ignore_eos=params.ignore_eos, stream_tokens=params.stream,
+            ignore_eos=params.ignore_eos, stream_tokens=params.stream, languages=languages,
         ))
 
 

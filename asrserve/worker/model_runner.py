@@ -125,7 +125,7 @@ class ModelRunner:
         self.sampler = Sampler(
             loaded.generation.suppress_tokens,
             loaded.generation.begin_suppress_tokens,
-            list(loaded.tokenizer.special.language_ids.values()),
+            dict(loaded.tokenizer.special.language_ids),
             self.dims.n_vocab,
             loaded.tokenizer.special,
             device,

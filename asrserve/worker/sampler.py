@@ -57,15 +57,23 @@ class SuppressBlank:
 
 
 class OnlyLanguages:
-    """Language detection: the step after <|startoftranscript|> picks among language tokens."""
+    """Language detection: the step after <|startoftranscript|> picks among language tokens, or
+    among those of the languages a request lists (SamplingParams.languages)."""
 
-    def __init__(self, language_ids: list[int], vocab_size: int, device: torch.device):
+    def __init__(self, language_ids: dict[str, int], vocab_size: int, device: torch.device):
+        self.ids = language_ids
         self.not_language = torch.ones(vocab_size, dtype=torch.bool, device=device)
-        self.not_language[language_ids] = False
+        self.not_language[list(language_ids.values())] = False
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, choices: list[tuple[str, ...]]) -> None:
         if rows.numel():
             logits[rows] = logits[rows].masked_fill(self.not_language, float("-inf"))
+        for row, choice in zip(rows.tolist(), choices):
+            if choice:  # (one detection per request: a row at a time is cheap)
+                allowed = torch.tensor([self.ids[code] for code in choice], device=logits.device)
+                kept = logits[row, allowed]
+                logits[row] = float("-inf")
+                logits[row, allowed] = kept
 
 
 class TimestampRules:
@@ -206,7 +214,7 @@ class Sampler:
         self,
         suppress_tokens: list[int],
         begin_suppress_tokens: list[int],
-        language_ids: list[int],
+        language_ids: dict[str, int],
         vocab_size: int,
         special,
         device: torch.device,
@@ -228,7 +236,8 @@ class Sampler:
             no_eos = self._rows(i for i, r in enumerate(requests) if r.sampling_params.ignore_eos)
             logits[no_eos, self.timestamp_rules.eot] = float("-inf")
         self.suppress_blank.apply(logits, self._rows(first_rows))
-        self.only_languages.apply(logits, self._rows(language_rows))
+        self.only_languages.apply(logits, self._rows(language_rows),
+                                  [requests[i].sampling_params.languages for i in language_rows])
         if exact is not None:
             # Rounded logits (rounded_logits.py): what the timestamp rule and the choice read is
             # made exact near each row's top, and again where the timestamp rule took the top.
