@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -295,3 +296,20 @@ def test_ctranslate2_int8_checkpoint(tmp_path, speech_files):
     (reference_text,) = ASR(dtype="float32").transcribe(speech_files[1])
     words, reference_words = quantized_text.text.lower().split(), reference_text.text.lower().split()
     assert len(set(words) & set(reference_words)) >= 0.7 * len(reference_words), (quantized_text.text, reference_text.text)
+
+
+def test_a_compile_cache_that_cannot_be_written_does_not_stop_the_model_loading(tmp_path):
+    """The images set TORCHINDUCTOR_CACHE_DIR under /models; on a read-only, root-owned or NFS
+    models volume, building the model (which imports torch._dynamo) raised for it, and even
+    the bundled tiny.en did not load. The cache moves to the temporary directory instead."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a directory cannot be made under a file, whoever runs this
+    script = ("import torch; from asrserve.config import ModelConfig; from asrserve.model.loader import load_model; "
+              "load_model(ModelConfig(model='tiny', load_format='dummy'), torch.device('cpu'), torch.float32); "
+              "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(blocked / "inductor"),
+           "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().startswith(str(tmp_path / "asrserve-torchinductor-"))
+    assert "cannot be written" in result.stderr

@@ -16,6 +16,7 @@ from asrserve.audio.decode import one_line
 from asrserve.config import DEFAULT_MODEL, ModelConfig
 from asrserve.errors import ModelLoadError
 from asrserve.model import ctranslate2
+from asrserve.model.compile_caches import ensure_writable_compile_caches
 from asrserve.model.sizes import HUB_REPOS, SHORT_NAMES, canonical_name, dims_from_hf_config, read_json, standard_dims
 from asrserve.model.tokenizer import WhisperTokenizer
 from asrserve.model.whisper import Whisper, WhisperDims
@@ -63,6 +64,7 @@ class _Checkpoint:
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     name = config.model or DEFAULT_MODEL
+    ensure_writable_compile_caches()  # (building the model imports torch._dynamo, which needs them)
     try:
         if config.load_format == "dummy":
             return _load_dummy(config.model, device, dtype)
