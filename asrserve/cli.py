@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--upload-min-rate-kb-s", type=float, default=8.0,
                       help="an upload that brings less than this many kB a second over a span of "
                       "--upload-idle-timeout-s gets 408 (a trickle held its slot for as long as it liked); 0: no floor")
+    http.add_argument("--keep-alive-timeout-s", type=float, default=75.0,
+                      help="an idle keep-alive connection is closed after this long (above a proxy's or "
+                      "load balancer's own, 60 s for nginx and AWS, so that they close first)")
     http.add_argument("--engine-stall-timeout-s", type=float, default=300.0,
                       help="an engine holding requests that reports nothing for this long (a hung step: "
                       "steps report every few seconds at most) turns /health to 503; 0: never")
@@ -271,6 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_audio_duration_s=args.max_audio_duration_s, max_waiting_requests=args.max_waiting_requests,
             max_audio_in_flight_s=args.max_audio_in_flight_s,
             upload_idle_timeout_s=args.upload_idle_timeout_s, upload_min_rate_kb_s=args.upload_min_rate_kb_s,
+            keep_alive_timeout_s=args.keep_alive_timeout_s,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, log_level=args.log_level,
             engine_stall_timeout_s=args.engine_stall_timeout_s,
             access_log=args.access_log, chunking_strategy=parse_chunking_strategy(args.chunking_strategy),

@@ -227,6 +227,10 @@ class ServerConfig:
     graceful_shutdown_timeout_s: float = 30.0
     # An upload that sends nothing for this long is refused with 408 (and frees its slot).
     upload_idle_timeout_s: float = 30.0
+    # An idle keep-alive connection is closed after this long. Above the 60 s of nginx's upstream
+    # keep-alive and AWS's load balancers: a proxy must close first, or it may send a request
+    # down a connection the server is closing (a 502 it does not retry for a POST).
+    keep_alive_timeout_s: float = 75.0
     # ... and one that brings less than this in each such span, too (kB/s; 0: no floor). A
     # buffering proxy in front sends bodies at full speed; 8 kB/s is 64 kbit/s, slower than
     # mobile uplinks (a floor stops trickles of bytes, not clients that pay for bandwidth).
@@ -280,5 +284,6 @@ _SERVER_LIMITS = (
     ("max_audio_duration_s", True), ("max_audio_in_flight_s", True), ("realtime_idle_timeout_s", True),
     ("realtime_max_buffer_s", True), ("realtime_interim_interval_s", False), ("realtime_pause_ms", True),
     ("graceful_shutdown_timeout_s", False), ("upload_idle_timeout_s", True), ("upload_min_rate_kb_s", False),
+    ("keep_alive_timeout_s", True),
 )
 

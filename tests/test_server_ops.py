@@ -235,6 +235,34 @@ def test_an_hour_long_mp3_at_the_default_limits_keeps_its_times(speech_audio):
         process.stop()
 
 
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout():
+    """--keep-alive-timeout-s (default 75 s, above the 60 s of nginx's and AWS's load balancers,
+    which must close first): an idle connection stays open until then and is closed after."""
+    assert build_parser().parse_args(["serve"]).keep_alive_timeout_s == 75.0
+    process = ServerProcess(["--keep-alive-timeout-s", "2"])
+    try:
+        process.wait_ready()
+        with socket.create_connection(("127.0.0.1", process.port)) as connection:
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: asrserve\r\n\r\n")
+            response = b""
+            while b"\r\n\r\n" not in response:
+                response += connection.recv(4096)
+            head, body = response.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1])
+            while len(body) < length:
+                body += connection.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200") and len(body) == length
+            connection.settimeout(1.0)
+            with pytest.raises(socket.timeout):  # open, and quiet
+                connection.recv(1)
+            connection.settimeout(5.0)
+            started = time.monotonic()
+            assert connection.recv(1) == b""  # closed by the server
+            assert time.monotonic() - started < 3.0
+    finally:
+        process.stop()
+
+
 # --- translations and language detection on the multilingual base --------------------------
 
 

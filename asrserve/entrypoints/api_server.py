@@ -171,7 +171,8 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     server = GracefulServer(
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
-            timeout_keep_alive=30, timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+            timeout_keep_alive=config.keep_alive_timeout_s,
+            timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
             # Above the largest realtime event we answer (15 MiB of audio in base64), so that an
             # append somewhat over it gets an `error` event rather than a dropped connection; not
             # far above, since each connection may hold a frame this large while it arrives.
