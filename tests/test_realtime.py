@@ -191,6 +191,32 @@ def test_text_arrives_while_the_person_speaks(server, speech_audio, offline):
     assert metrics["asrserve_draft_tokens_checked_total"] > drafted
 
 
+def test_delay_xhigh_sends_no_text_before_the_turn_ends(server, speech_audio, offline):
+    """OpenAI's `delay`: at "xhigh" nothing is sent before the turn's final decode, and no
+    interim decode runs (none leaves a draft for the final to check)."""
+    audio = np.concatenate([silence(0.3), speech_audio[6], silence(1.0)])
+    drafted = server.metrics().get("asrserve_draft_tokens_checked_total", 0)
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:
+            await connection.session.update(session={
+                "type": "transcription", "audio": {"input": {"transcription": {"delay": "xhigh"}}}})
+            sender = asyncio.ensure_future(send_audio(connection, pcm(audio), pace=1.0))
+            events = await collect(connection, 1)
+            await sender
+            return events
+
+    events = asyncio.run(run())
+    updated = next(e for e in events if e["type"] == "session.updated")
+    assert updated["session"]["audio"]["input"]["transcription"]["delay"] == "xhigh"
+    check_items(events)
+    [(transcript, span)] = transcripts_with_spans(events)
+    assert as_good_as_offline(offline, 6, transcript, audio, span), transcript
+    kinds = [e["type"] for e in events]
+    assert kinds.index("conversation.item.input_audio_transcription.delta") > kinds.index("input_audio_buffer.committed")
+    assert server.metrics().get("asrserve_draft_tokens_checked_total", 0) == drafted
+
+
 def test_manual_commit_16_khz_with_logprobs(server, speech_audio, offline):
     async def run():
         async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as connection:

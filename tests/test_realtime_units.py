@@ -146,9 +146,10 @@ def test_input_audio_formats_decode_to_16_khz():
     np.testing.assert_array_equal(joined, direct[: cuts[-1] // 2])
 
 
-def test_session_update_takes_openais_languages_and_keywords():
-    """audio.input.transcription.languages (those the speech may be in) and .keywords (words to
-    expect), as openai-python's AudioTranscription has them: they were refused as unknown."""
+def test_session_update_takes_openais_languages_keywords_and_delay():
+    """audio.input.transcription.languages (those the speech may be in), .keywords (words to
+    expect) and .delay, as openai-python's AudioTranscription has them: they were refused as
+    unknown."""
     config = SessionConfig(model="base").updated({"audio": {"input": {"transcription": {
         "languages": ["German", "fr"], "keywords": ["Leichenhalle", "Zyntri  Qix"], "prompt": "Ein Satz."}}}})
     assert config.languages == ("de", "fr") and config.keywords == ("Leichenhalle", "Zyntri  Qix")
@@ -159,8 +160,11 @@ def test_session_update_takes_openais_languages_and_keywords():
     assert kept.languages == ("de", "fr") and kept.language == "fr"  # only what an update names changes
     cleared = kept.updated({"audio": {"input": {"transcription": {"languages": None, "keywords": []}}}})
     assert cleared.languages == cleared.keywords == () and cleared.decode_prompt == "Ein Satz."
+    delayed = config.updated({"audio": {"input": {"transcription": {"delay": "low"}}}})
+    assert delayed.delay == "low" and delayed.as_session("s")["audio"]["input"]["transcription"]["delay"] == "low"
     param = "session.audio.input.transcription"
-    for transcription, field in (({"languages": "de"}, "languages"), ({"keywords": [1]}, "keywords"),
+    for transcription, field in (({"delay": "slow"}, "delay"), ({"languages": "de"}, "languages"),
+                                 ({"keywords": [1]}, "keywords"),
                                  ({"keywords": ["word " * 13108]}, "keywords"), ({"language": "es"}, "language")):
         with pytest.raises(RealtimeError) as error:
             config.updated({"audio": {"input": {"transcription": transcription}}})

@@ -33,6 +33,11 @@ STABLE_MARGIN_S = 0.5
 # log-probability (benchmarks/live_stability.py: without it, tiny.en sent early misreadings
 # that both decodes agreed on, and live WER was 6 points above one decode of the utterance).
 MIN_STABLE_LOGPROB = -1.0
+# OpenAI's `delay` (how long text waits before it is sent) as that floor, from the measured
+# trade (docs/benchmarks.md, "Which words go out while the person speaks": floors of -2.0,
+# -1.5, -1.0, -0.5 sent 72, 57, 45, 21 % of words during speech at 16.3, 13.7, 12.4, 11.8 %
+# WER); "xhigh" sends nothing before the turn's final decode. Not given: "medium".
+STABLE_LOGPROB_BY_DELAY = {"minimal": -2.0, "low": -1.5, "medium": MIN_STABLE_LOGPROB, "high": -0.5, "xhigh": None}
 SESSION_ENDED = "the live session ended"  # why its decodes were cancelled, when it is that
 _ids = itertools.count()
 _prefix = uuid.uuid4().hex[:8]

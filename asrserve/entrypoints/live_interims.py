@@ -26,6 +26,10 @@ async def interim_loop(session: RealtimeSession) -> None:
     due = clock.time() + session.options.interim_interval_s
     while (item := session.item) is not None:
         await asyncio.sleep(max(0.0, due - clock.time()))
+        floor = live_decode.STABLE_LOGPROB_BY_DELAY[session.config.delay or "medium"]
+        if floor is None:  # delay "xhigh": no text before the final decode, so no interim decodes
+            due = clock.time() + session.options.interim_interval_s
+            continue
         async with session.options.interim_slots:
             await session.options.finals.none.wait()  # finals first
             due = clock.time() + session.options.interim_interval_s
@@ -58,7 +62,7 @@ async def interim_loop(session: RealtimeSession) -> None:
             latest = (end - segment.start) / SAMPLE_RATE - live_decode.STABLE_MARGIN_S
             stable = session.words.stable_length(segment.previous, current, len(segment.stable),
                                                  item.language or result.language, times, latest,
-                                                 logprobs, live_decode.MIN_STABLE_LOGPROB)
+                                                 logprobs, floor)
             if stable > len(segment.stable):
                 await session.extend(item, segment, current[:stable], logprobs[:stable], result.language)
         segment.previous = current

@@ -66,6 +66,9 @@ class ServerVAD:
                 "silence_duration_ms": self.silence_duration_ms}
 
 
+DELAYS = ("minimal", "low", "medium", "high", "xhigh")  # OpenAI's AudioTranscription.delay
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     format: str = "audio/pcm"
@@ -77,6 +80,7 @@ class SessionConfig:
     include_logprobs: bool = False
     languages: tuple[str, ...] = ()  # OpenAI's: those the speech may be in (detection picks among them)
     keywords: tuple[str, ...] = ()  # and words to expect, read in front of the prompt
+    delay: str | None = None  # OpenAI's: how long text waits before it is sent (live_decode.STABLE_LOGPROB_BY_DELAY)
 
     @property
     def decode_prompt(self) -> str | None:
@@ -100,7 +104,8 @@ class SessionConfig:
                     "format": audio_format,
                     "transcription": {"model": self.model, "language": self.language, "prompt": self.prompt,
                                       **({"languages": list(self.languages)} if self.languages else {}),
-                                      **({"keywords": list(self.keywords)} if self.keywords else {})},
+                                      **({"keywords": list(self.keywords)} if self.keywords else {}),
+                                      **({"delay": self.delay} if self.delay else {})},
                     "turn_detection": self.turn_detection.as_dict() if self.turn_detection else None,
                     "noise_reduction": None,
                 }
@@ -187,7 +192,9 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
     if value is None:
         raise RealtimeError("a transcription session always transcribes: transcription cannot be null", param=param)
     value = _object(value, param)
-    _no_unknown(value, ("model", "language", "prompt", "languages", "keywords"), param)
+    _no_unknown(value, ("model", "language", "prompt", "languages", "keywords", "delay"), param)
+    if value.get("delay") is not None and value["delay"] not in DELAYS:
+        raise RealtimeError(f"{param}.delay must be one of {', '.join(DELAYS)}", param=f"{param}.delay")
     for name in ("model", "language", "prompt"):
         if value.get(name) is not None and not isinstance(value[name], str):
             raise RealtimeError(f"{param}.{name} must be a string", param=f"{param}.{name}")
@@ -211,6 +218,7 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
         prompt=value.get("prompt", config.prompt) or None,
         languages=tuple(_language_code(code) for code in value.get("languages", config.languages) or ()),
         keywords=tuple(keywords),
+        delay=value.get("delay", config.delay),
     )
     if config.language and config.languages and config.language not in config.languages:
         raise RealtimeError(f"language {config.language!r} is not among languages {list(config.languages)}",
