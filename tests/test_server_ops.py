@@ -305,6 +305,27 @@ def test_translation_and_language_detection(base_server, tmp_path):
     _assert_error(response, 400, "language")
 
 
+def test_languages_and_keywords_through_the_openai_sdk(base_server, tmp_path):
+    """OpenAI's languages and keywords, as the SDK sends them (languages[], keywords[]): the
+    detection picks among the languages listed, and keywords read as a prompt listing them.
+    Both were ignored without a word."""
+    spanish = synthesize("Buenos días, ¿cómo está usted hoy?", tmp_path / "es.wav", voice="es")
+    client = openai.OpenAI(base_url=f"{base_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def transcribe(**fields):
+        with open(spanish, "rb") as file:
+            return client.audio.transcriptions.create(model="base", file=file, response_format="verbose_json", **fields)
+
+    assert transcribe().language == "spanish"
+    assert transcribe(languages=["fr", "it"]).language in ("french", "italian")
+    assert transcribe(languages=["es", "it"]).text == transcribe().text
+    assert transcribe(keywords=["Zyntri Qix", "Ana"], prompt="Hola.").text == transcribe(
+        prompt="Zyntri Qix, Ana Hola.").text
+    with pytest.raises(openai.BadRequestError) as refused:
+        transcribe(language="es", languages=["fr"])
+    assert refused.value.body["param"] == "language"
+
+
 def test_silence_on_a_multilingual_model_still_names_a_language(base_server):
     """No audio reaches the model (digital silence; no speech found in 40 s of noise), so
     none is detected: verbose_json still names one, as OpenAI's types require."""
