@@ -345,6 +345,14 @@ def test_a_segment_s_first_word_that_swallowed_a_pause_is_cut_from_its_start():
     first, _, sentence_end, _ = segment.words
     assert first.end == pytest.approx(8.5) and first.start == pytest.approx(8.5 - 0.6)
     assert sentence_end.start == pytest.approx(9.4) and sentence_end.end == pytest.approx(10.0)
+    # So are words that end a clause: the pause comes after "be," (said 13.9-14.6 s; cut from
+    # its start it came to 15.0-15.5, inside the pause), before the word after it.
+    clauses = Segment(0, 0, 13.0, 17.0, "", [], 0.0, 0.0, 1.0, 0.0, words=[
+        Word("To", 13.0, 13.5), Word("be,", 13.9, 15.54), Word("or", 15.54, 16.6), Word("not", 16.6, 16.9)])
+    _tidy_words([clauses], [0.3] * 4)
+    _, clause_end, after, _ = clauses.words
+    assert (clause_end.start, clause_end.end) == pytest.approx((13.9, 14.5))
+    assert (after.start, after.end) == pytest.approx((16.0, 16.6))
     # A lone word that runs past its segment's end swallowed the pause after it ("Yes." said at
     # 0.5-1.3 s, 4 s of silence): cut from its end, not squeezed to 20 ms at the segment's end.
     lone = Segment(0, 0, 0.0, 2.0, "", [], 0.0, 0.0, 1.0, 0.0, words=[Word("Yes.", 0.0, 5.92)])

@@ -20,6 +20,8 @@ from asrserve.model.tokenizer import WhisperTokenizer
 
 MIN_DURATION_S = 0.02  # one timestamp step: every segment and word lasts at least this
 SENTENCE_END = ".。!！?？"
+# A word that ends a clause is followed by a pause as often as one that ends a sentence.
+CLAUSE_END = ",;:，、；："
 
 
 @dataclass
@@ -154,7 +156,9 @@ def _add_words(tokenizer: WhisperTokenizer, piece: PieceResult, segments: list[S
 
 def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
     """Caps words that swallowed a pause (longer than twice the median word, at most 1.4 s:
-    the alignment stretches a word at a sentence end or after a pause), then keeps every word
+    the alignment stretches a word at a sentence's or a clause's end, or after a pause: "be,"
+    said 13.9-14.6 s before a 0.8 s pause was cut from its start to 15.0-15.5, in the pause),
+    then keeps every word
     inside its segment, in order, with a positive length. A segment's first word that ends
     inside its segment is cut from its start: the pause is before it ("Mr." after 8 s of quiet
     was timed 0.0-0.5 s, "Quilter" 9.0 s). One that runs past its segment's end swallowed the
@@ -167,7 +171,7 @@ def _tidy_words(segments: list[Segment], durations: list[float]) -> None:
         for i, word in enumerate(words):
             if word.end - word.start > max_duration:
                 pause_before = i == 0 and word.end <= segment.end
-                if not pause_before and (word.word[-1] in SENTENCE_END or i == len(words) - 1):
+                if not pause_before and (word.word[-1] in SENTENCE_END + CLAUSE_END or i == len(words) - 1):
                     word.end = word.start + max_duration
                 else:
                     word.start = word.end - max_duration
