@@ -23,7 +23,8 @@ def find_chromium() -> str | None:
 
 
 class Browser:
-    def __init__(self, executable: str, microphone: Path | None = None, timeout: float = 30.0):
+    def __init__(self, executable: str, microphone: Path | None = None, timeout: float = 30.0,
+                 extra_args: tuple[str, ...] = ()):
         self.profile = Path(tempfile.mkdtemp(prefix="asrserve-chromium-"))
         self.log = open(self.profile / "browser.log", "w+")
         args = [
@@ -36,6 +37,7 @@ class Browser:
         ]
         if microphone is not None:
             args.append(f"--use-file-for-fake-audio-capture={microphone}%noloop")
+        args += extra_args
         self.process = subprocess.Popen([*args, "about:blank"], stdout=self.log, stderr=subprocess.STDOUT)
         self.console: list[str] = []  # the page's console output and uncaught errors, for failure messages
         self.next_id = 0

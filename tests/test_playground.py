@@ -285,6 +285,26 @@ def test_live_without_server_vad_commits_what_was_said_on_stop(chromium, speech_
 
 
 @pytest.mark.slow
+def test_live_on_a_plain_http_page_not_on_localhost_says_it_needs_https(chromium, server):
+    """Browsers give no microphone to plain-http pages other than localhost's (the page served
+    from a machine's name or address): the page says so, and opens no live session."""
+    host = "asrserve.test"  # a name that is not localhost, resolved to it by Chromium itself
+    browser = Browser(chromium, extra_args=(f"--host-resolver-rules=MAP {host} 127.0.0.1",))
+    try:
+        browser.open(f"http://{host}:{server.port}/playground")
+        browser.wait_for("document.readyState === 'complete'")
+        assert browser.evaluate("window.isSecureContext") is False
+        browser.evaluate("document.getElementById('live').click()")
+        status = browser.wait_for("""(() => { const s = document.getElementById('live-status');
+            return s.classList.contains('error') && s.textContent; })()""")
+        button = browser.evaluate("document.getElementById('live').textContent")
+    finally:
+        browser.close()
+    assert "https" in status and "localhost" in status, status
+    assert button == "Live", button  # not left waiting on a session that never opened
+
+
+@pytest.mark.slow
 def test_the_live_capture_filters_what_it_cannot_resample_where_the_browser_captures_at_48_khz(chromium, server):
     """Browsers that cannot open the microphone at 24 kHz capture at its own rate and the
     worklet resamples. A tone above 12 kHz (at 20 kHz, a hiss) then folded down to 4 kHz at
