@@ -124,6 +124,7 @@ BAD_FORMS = [
     ({"language": "de"}, 400, "language"),  # tiny.en is English-only
     ({"language": "x" * 5000}, 400, "language"),
     ({"languages[]": ["en", "xx"]}, 400, "languages"),
+    ({"known_speaker_names[]": ["agent"]}, 400, "known_speaker_names"),  # no diarization: not ignored
     ({"languages[]": ["en", "de"]}, 400, "languages"),  # English-only
     ({"prompt": "p" * (1 << 20)}, 400, "prompt"),  # a megabyte of prompt is not a prompt
     ({"model": "whisper-large"}, 404, "model"),

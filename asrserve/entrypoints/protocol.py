@@ -12,6 +12,7 @@ from asrserve.engine.request import MAX_BEST_OF, MAX_SEED, MIN_SEED
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 # Formats built from segment timestamps (the model decodes with timestamp tokens for them).
 TIMESTAMPED_FORMATS = ("srt", "verbose_json", "vtt")
+DIARIZATION_FIELDS = ("known_speaker_names", "known_speaker_references")
 
 
 class APIError(Exception):
@@ -86,6 +87,9 @@ class TranscriptionRequest(BaseModel):
             items = [item for item in items if item != ""]  # an empty field means "not given"
             if not items:
                 continue
+            if key in DIARIZATION_FIELDS:  # ignored, a client would take the transcript for a diarized one
+                raise APIError(400, f"{key}: speaker diarization is not available: asrserve serves Whisper "
+                               "models (OpenAI's field is for gpt-4o-transcribe-diarize)", param=key)
             if key.startswith("chunking_strategy[") and key.endswith("]"):
                 strategy = values.setdefault("chunking_strategy", {})
                 if isinstance(strategy, dict):
