@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import soundfile
 
 from asrserve import ASR, AudioError, InvalidRequestError
@@ -69,6 +70,21 @@ def test_transcribe_files_bytes_and_arrays(asr, speech_files):
     assert by_path[0].duration == pytest.approx(len(load_audio(speech_files[1])) / 16000)
     assert by_path[0].token_ids[-1] == asr.tokenizer.special.eot
     assert -1.0 < by_path[0].avg_logprob < 0
+
+
+def test_torch_tensors_are_arrays_and_an_empty_language_is_none(asr, speech_files):
+    """torchaudio.load gives a tensor: it has a `mode` method, so it was taken for a file object
+    and failed with a TypeError that errors="return" did not catch. language="" detects, as an
+    empty form field and `-l ""` do (it raised)."""
+    samples = load_audio(speech_files[1])
+    expected = asr.transcribe(samples)[0].text
+    as_tensors = [torch.from_numpy(samples), torch.from_numpy((samples * 32767).astype(np.int16)),
+                  torch.from_numpy(np.stack([samples, samples]))]  # float, PCM integers, [channels, samples]
+    assert asr.transcribe(as_tensors[0])[0].text == expected
+    results = asr.transcribe(as_tensors, errors="return")
+    assert all(r.error is None and "brown fox" in r.text.lower() for r in results), results
+    assert asr.transcribe(samples, language="")[0].text == expected
+    assert asr.transcribe([samples], language=[""])[0].text == expected
 
 
 def test_many_inputs_keep_their_order(asr, speech_files):
@@ -409,7 +425,8 @@ def test_bad_argument_types_are_named_before_anything_runs(asr, speech_files):
     clip = speech_files[1]
     for kwargs, name in (({"best_of": 2.5, "temperature": 0.5}, "best_of"), ({"seed": 1.5}, "seed"),
                          ({"temperature": "0.5"}, "temperature"), ({"best_of": "3"}, "best_of"),
-                         ({"max_tokens": 2.0}, "max_tokens"), ({"language": 5}, "language")):
+                         ({"max_tokens": 2.0}, "max_tokens"), ({"language": 5}, "language"),
+                         ({"fallback": "no"}, "fallback"), ({"word_timestamps": 1}, "word_timestamps")):
         with pytest.raises(InvalidRequestError, match=name):
             asr.transcribe(clip, **kwargs)
     with pytest.raises(InvalidRequestError, match="audio"):

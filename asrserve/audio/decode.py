@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import TYPE_CHECKING, BinaryIO, Callable, Union
 
 import numpy as np
 import soundfile
@@ -12,7 +12,10 @@ import soxr
 
 from asrserve.config import SAMPLE_RATE
 
-AudioSource = Union[str, Path, bytes, bytearray, BinaryIO, np.ndarray]
+if TYPE_CHECKING:
+    import torch
+
+AudioSource = Union[str, Path, bytes, bytearray, BinaryIO, np.ndarray, "torch.Tensor"]
 # Called as a file is decoded with the 16 kHz samples so far (a view, valid for the call) and
 # the duration its header declares (0 if it does not say).
 ProgressCallback = Callable[[np.ndarray, float], None]
@@ -46,6 +49,9 @@ def load_audio(
     of samples. on_progress (files only) sees the samples as they are decoded: an exception it
     raises stops the decoding.
     """
+    if is_tensor(source):  # torchaudio.load's, on any device: an array of samples too
+        tensor = source.detach().cpu()
+        source = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
     if isinstance(source, np.ndarray):
         samples, rate = source, sample_rate or SAMPLE_RATE
         _check_duration(max(samples.shape[:2], default=0) / rate, max_duration_s)  # time is the longer side
@@ -55,6 +61,12 @@ def load_audio(
         return _decode(source, max_duration_s, _Progress(on_progress))
     except _ProgressFailed as failed:
         raise failed.error from None
+
+
+def is_tensor(source) -> bool:
+    """A torch tensor (told without importing torch: a file object is told by its `mode`, which
+    a tensor has as a method)."""
+    return type(source).__module__.split(".")[0] == "torch" and hasattr(source, "detach")
 
 
 def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -211,7 +223,7 @@ def _decode(source: str | Path | bytes | bytearray | BinaryIO, max_duration_s: f
         if path.is_fifo() or not _is_utf8(str(path)):
             with open(path, "rb") as file:
                 return _decode(file, max_duration_s, on_progress)
-    elif hasattr(source, "mode") and "b" not in source.mode:
+    elif isinstance(getattr(source, "mode", None), str) and "b" not in source.mode:
         raise AudioError("the file object was opened in text mode: open audio with mode 'rb'")
     elif not _seekable(source):  # a pipe, stdin, a response body: both decoders seek
         return _decode(source.read(), max_duration_s, on_progress)

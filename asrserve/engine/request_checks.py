@@ -38,13 +38,15 @@ def check_language(tokenizer: WhisperTokenizer, model_name: str, language: str |
         return None
     code = normalize_language(language)
     if code is None:
-        raise InvalidRequestError(f"unsupported language {shown(language)}; use an ISO-639-1 code such as 'en'")
+        raise InvalidRequestError(f"unsupported language {shown(language)}; use an ISO-639-1 code such as 'en'",
+                                  param="language")
     if code not in tokenizer.languages:
         if not tokenizer.is_multilingual:
             raise InvalidRequestError(
-                f"{model_name} is an English-only model; it cannot transcribe {LANGUAGES[code]} ({code})"
+                f"{model_name} is an English-only model; it cannot transcribe {LANGUAGES[code]} ({code})",
+                param="language",
             )
-        raise InvalidRequestError(f"{model_name} does not know the language {code!r}")
+        raise InvalidRequestError(f"{model_name} does not know the language {code!r}", param="language")
     return code
 
 

@@ -202,6 +202,9 @@ class ASR:
             raise ValueError("errors must be 'raise' or 'return'")
         if prompt is not None and not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be text, got {type(prompt).__name__}")
+        for name, value in (("fallback", fallback), ("timestamps", timestamps), ("word_timestamps", word_timestamps)):
+            if not isinstance(value, (bool, np.bool_)):  # ("no" is true)
+                raise InvalidRequestError(f"{name} must be True or False, got {value!r}", param=name)
         if isinstance(keywords, str) or not all(isinstance(keyword, str) for keyword in keywords):
             raise InvalidRequestError("keywords must be a list of words or phrases")
         prompt = prompt_with_keywords(prompt, keywords)

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
+from asrserve.audio.decode import is_tensor
 from asrserve.engine.request_checks import check_languages
 from asrserve.errors import InvalidRequestError
 
 
 def is_single(audio) -> bool:
-    return isinstance(audio, (str, Path, bytes, bytearray, np.ndarray)) or hasattr(audio, "read")
+    return isinstance(audio, (str, Path, bytes, bytearray, np.ndarray)) or hasattr(audio, "read") or is_tensor(audio)
 
 
 def input_sources(audio, language) -> Iterable:
@@ -35,8 +36,8 @@ def input_languages(engine, language: str | Sequence[str | None] | None, languag
                     num_sources: int | None, task: str):
     """(the checked language code, or None, of input i as a function of i; the languages a
     detection may pick, checked: empty for any)."""
-    def check(code: str | None) -> str | None:
-        return check_languages(engine.tokenizer, engine.model_name, code, languages, task)[0]
+    def check(code: str | None) -> str | None:  # ("" is none, as an empty form field or -l "")
+        return check_languages(engine.tokenizer, engine.model_name, code or None, languages, task)[0]
 
     choice = check_languages(engine.tokenizer, engine.model_name, None, languages, task)[1]
     if language is None or isinstance(language, str):
