@@ -84,6 +84,12 @@ def test_torch_tensors_are_arrays_and_an_empty_language_is_none(asr, speech_file
     results = asr.transcribe(as_tensors, errors="return")
     assert all(r.error is None and "brown fox" in r.text.lower() for r in results), results
     assert asr.transcribe(samples, language="")[0].text == expected
+    # 8-bit PCM is unsigned, silence at 128 (it was read as signed: a DC offset of half scale)
+    unsigned = np.round(samples * 127 + 128).astype(np.uint8)
+    assert abs(float(load_audio(unsigned).mean())) < 0.01 and "brown fox" in asr.transcribe(unsigned)[0].text.lower()
+    for odd in ({"a.wav": 1}, memoryview(b"RIFF")):
+        with pytest.raises(InvalidRequestError, match="audio must be"):
+            asr.transcribe(odd)
     assert asr.transcribe([samples], language=[""])[0].text == expected
 
 

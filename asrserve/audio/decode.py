@@ -79,7 +79,11 @@ def to_model_input(samples: np.ndarray, sample_rate: int) -> np.ndarray:
         raise AudioError(f"audio must be [samples] or [samples, channels], got shape {samples.shape}")
     if samples.size == 0:
         raise AudioError("audio is empty: it has no samples")
-    if np.issubdtype(samples.dtype, np.integer):
+    if np.issubdtype(samples.dtype, np.unsignedinteger):
+        # Unsigned PCM (8-bit WAV's): silence is mid-scale; full scale maps to [-1, 1)
+        half = float(np.iinfo(samples.dtype).max // 2 + 1)
+        samples = (samples.astype(np.float64) - half).astype(np.float32) / half
+    elif np.issubdtype(samples.dtype, np.integer):
         # PCM integers: full scale maps to [-1, 1)
         samples = samples.astype(np.float32) / float(np.iinfo(samples.dtype).max + 1)
     elif not np.issubdtype(samples.dtype, np.floating):

@@ -10,7 +10,7 @@ import numpy as np
 
 from asrserve.audio.decode import is_tensor
 from asrserve.engine.request_checks import check_languages
-from asrserve.errors import InvalidRequestError
+from asrserve.errors import InvalidRequestError, shown
 
 
 def is_single(audio) -> bool:
@@ -20,8 +20,9 @@ def is_single(audio) -> bool:
 def input_sources(audio, language) -> Iterable:
     """`audio` as inputs: a list, or the iterable itself where it has no length and one
     language is given for all (a generator of files is read as the engine makes room)."""
-    if audio is None or isinstance(audio, (bool, int, float, np.generic)):
-        raise InvalidRequestError(f"audio must be a path, bytes, a file, an array or a list of them, got {audio!r}")
+    # (a dict was read as a list of its keys, each a file name; a memoryview as a list of numbers)
+    if audio is None or isinstance(audio, (bool, int, float, np.generic, dict, memoryview)):
+        raise InvalidRequestError(f"audio must be a path, bytes, a file, an array or a list of them, got {shown(audio)}")
     if is_single(audio):
         return [audio]
     if isinstance(audio, (list, tuple)) and audio and isinstance(audio[0], (int, float, np.number)):
