@@ -68,6 +68,8 @@ class OnlyLanguages:
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, choices: list[tuple[str, ...]]) -> None:
         if rows.numel():
             logits[rows] = logits[rows].masked_fill(self.not_language, float("-inf"))
+        if not any(choices):  # (rows.tolist() would wait for the device every step)
+            return
         for row, choice in zip(rows.tolist(), choices):
             if choice:  # (one detection per request: a row at a time is cheap)
                 allowed = torch.tensor([self.ids[code] for code in choice], device=logits.device)
