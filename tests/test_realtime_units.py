@@ -151,7 +151,7 @@ def test_session_update_takes_openais_languages_keywords_and_delay():
     expect) and .delay, as openai-python's AudioTranscription has them: they were refused as
     unknown."""
     config = SessionConfig(model="base").updated({"audio": {"input": {"transcription": {
-        "languages": ["German", "fr"], "keywords": ["Leichenhalle", "Zyntri  Qix"], "prompt": "Ein Satz."}}}})
+        "languages": ["German", "", "fr"], "keywords": ["Leichenhalle", "Zyntri  Qix"], "prompt": "Ein Satz."}}}})
     assert config.languages == ("de", "fr") and config.keywords == ("Leichenhalle", "Zyntri  Qix")
     assert config.decode_prompt == "Leichenhalle, Zyntri Qix Ein Satz."
     echoed = config.as_session("sess_1")["audio"]["input"]["transcription"]

@@ -216,7 +216,7 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
         # spaces between words is decided on it (a name that is not one is refused beside)
         language=_language_code(value.get("language", config.language)),
         prompt=value.get("prompt", config.prompt) or None,
-        languages=tuple(_language_code(code) for code in value.get("languages", config.languages) or ()),
+        languages=tuple(filter(None, map(_language_code, value.get("languages", config.languages) or ()))),
         keywords=tuple(keywords),
         delay=value.get("delay", config.delay),
     )
