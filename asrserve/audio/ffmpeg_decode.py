@@ -11,11 +11,6 @@ import numpy as np
 
 from asrserve.audio.decode import BLOCK_SAMPLES, AudioError, MonoResampler, one_line
 
-# Formats whose gaps in time become silence (see _Timeline). An Ogg page carries a checksum: a
-# damaged one is dropped whole, and the next one's timestamp is sound. MP3 and ADTS timestamps
-# are estimates, and an MP4's come from an index the damage may have hit.
-FILLED_GAP_FORMATS = {"ogg"}
-MIN_GAP_S, MAX_FILLED_GAP_S = 0.01, 60.0
 ESTIMATED_LENGTH_FORMATS = {"aac", "mp3"}  # ffmpeg's demuxers of bare ADTS AAC and MP3 streams
 # Of Ogg files joined (a chained stream), ffmpeg declares one file's length (the last's): enough
 # to refuse a file, but the whole may be longer.
@@ -71,13 +66,7 @@ def decode_ffmpeg(source, max_duration_s: float | None, on_progress: Callable[[n
             layout = stream.layout
             blocks = _Blocks(mono, layout.nb_channels)
             converter, source_format = None, None
-            timeline = _Timeline(rate) if container.format.name in FILLED_GAP_FORMATS else None
             for frame in _decoded_frames(container, stream):
-                if timeline is not None and (missing := timeline.missing_before(frame)):
-                    if converter is not None:  # what it holds goes first, in order
-                        blocks.add(converter.resample(None))
-                        converter = None
-                    blocks.add_samples(np.zeros((missing, blocks.channels), np.float32))
                 samples = _planar_float(frame, blocks.channels) if frame.sample_rate == rate else None
                 if converter is not None and (samples is not None or _format(frame) != source_format):
                     blocks.add(converter.resample(None))  # what it holds goes first, in order
@@ -114,33 +103,6 @@ def _unreadable(error: Exception) -> AudioError:
     # '<none>' file name around them.
     reason = getattr(error, "strerror", None) or one_line(error)
     return AudioError(f"could not decode audio: not a format libsndfile or ffmpeg reads ({reason})")
-
-
-class _Timeline:
-    """Where the stream's timestamps put each frame, against the samples decoded before it. The
-    Ogg demuxer drops a damaged page without an error (a second of Opus), and every word after
-    it came that second early: a gap of MIN_GAP_S to MAX_FILLED_GAP_S becomes silence. Any other
-    disagreement (timestamps that jump back, or far ahead: a stream spliced) sets a new origin."""
-
-    def __init__(self, rate: int):
-        self.rate = rate
-        self.written = 0  # samples at `rate` decoded (or filled) so far
-        self.origin: float | None = None  # the stream time of sample 0
-
-    def missing_before(self, frame) -> int:
-        """Samples of silence due before `frame`, at the stream's rate."""
-        start = frame.time  # seconds (None where the frame has no timestamp)
-        missing = 0
-        if start is not None:
-            if self.origin is None:
-                self.origin = start - self.written / self.rate
-            missing = round((start - self.origin) * self.rate) - self.written
-            if not MIN_GAP_S * self.rate <= missing <= MAX_FILLED_GAP_S * self.rate:
-                if abs(missing) >= MIN_GAP_S * self.rate:
-                    self.origin = start - self.written / self.rate
-                missing = 0
-        self.written += missing + round(frame.samples * self.rate / frame.sample_rate)
-        return missing
 
 
 class _Blocks:
