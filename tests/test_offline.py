@@ -505,6 +505,10 @@ def test_languages_limit_what_detection_picks_and_keywords_guide_the_text(asr, t
         assert refused.value.param == param
     with pytest.raises(InvalidRequestError):  # tiny.en reads English only
         asr.transcribe(german, languages=["en", "de"])
+    with pytest.raises(InvalidRequestError) as refused:
+        asr.transcribe(german, task="translate", languages=["en"])
+    assert refused.value.param == "model"  # it cannot translate, whatever the languages
+    assert base.transcribe(german, languages=None, keywords=None)[0].text == free[1].text
     keywords = ["Zyntri Qix", " Digique\tPlus "]
     assert base.transcribe(german, keywords=keywords, prompt="Morgen.")[0].text == base.transcribe(
         german, prompt="Zyntri Qix, Digique Plus Morgen.")[0].text

@@ -61,6 +61,8 @@ def check_languages(
     try:
         codes = tuple(dict.fromkeys(check_language(tokenizer, model_name, each, task) for each in languages))
     except InvalidRequestError as error:
+        if error.param == "model":  # (an English-only model cannot translate, whatever the languages)
+            raise
         raise InvalidRequestError(f"languages: {error}", param="languages") from None
     language = check_language(tokenizer, model_name, language, task)
     if language is not None:

@@ -205,6 +205,7 @@ class ASR:
         for name, value in (("fallback", fallback), ("timestamps", timestamps), ("word_timestamps", word_timestamps)):
             if not isinstance(value, (bool, np.bool_)):  # ("no" is true)
                 raise InvalidRequestError(f"{name} must be True or False, got {value!r}", param=name)
+        languages, keywords = languages or (), keywords or ()  # (None: none, as for language and prompt)
         if isinstance(keywords, str) or not all(isinstance(keyword, str) for keyword in keywords):
             raise InvalidRequestError("keywords must be a list of words or phrases")
         prompt = prompt_with_keywords(prompt, keywords)
