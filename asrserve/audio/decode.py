@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable, Union
+from typing import BinaryIO, Callable, Union
 
 import numpy as np
 import soundfile
@@ -12,10 +12,7 @@ import soxr
 
 from asrserve.config import SAMPLE_RATE
 
-if TYPE_CHECKING:
-    import torch
-
-AudioSource = Union[str, Path, bytes, bytearray, BinaryIO, np.ndarray, "torch.Tensor"]
+AudioSource = Union[str, Path, bytes, bytearray, BinaryIO, np.ndarray]  # or a torch tensor, as an array
 # Called as a file is decoded with the 16 kHz samples so far (a view, valid for the call) and
 # the duration its header declares (0 if it does not say).
 ProgressCallback = Callable[[np.ndarray, float], None]
@@ -26,11 +23,8 @@ class AudioError(ValueError):
 
 
 class AudioTooLongError(AudioError):
-    def __init__(
-        self, duration_s: float, max_duration_s: float, exact: bool = True, of_what: str = "", at_least: bool = False,
-    ):
-        length = (f"at least {duration_s:.1f} s long" if at_least else f"{duration_s:.1f} s long") if exact \
-            else f"longer than {max_duration_s:g} s"
+    def __init__(self, duration_s: float, max_duration_s: float, exact=True, of_what: str = "", at_least=False):
+        length = f"{'at least ' * at_least}{duration_s:.1f} s long" if exact else f"longer than {max_duration_s:g} s"
         super().__init__(f"audio is {length}; at most {max_duration_s:g} s{of_what} is accepted")
         self.duration_s = duration_s
         self.max_duration_s = max_duration_s
@@ -63,9 +57,7 @@ def load_audio(
         raise failed.error from None
 
 
-def is_tensor(source) -> bool:
-    """A torch tensor (told without importing torch: a file object is told by its `mode`, which
-    a tensor has as a method)."""
+def is_tensor(source) -> bool:  # (without importing torch; a tensor's `mode` is a method, not a file's mode)
     return type(source).__module__.split(".")[0] == "torch" and hasattr(source, "detach")
 
 
