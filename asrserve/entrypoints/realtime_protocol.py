@@ -19,6 +19,7 @@ import numpy as np
 
 from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
+from asrserve.entrypoints.live_decode import STABLE_LOGPROB_BY_DELAY
 from asrserve.entrypoints.protocol import prompt_with_keywords
 from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
 from asrserve.errors import cut, shown
@@ -64,9 +65,6 @@ class ServerVAD:
     def as_dict(self) -> dict[str, Any]:
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms}
-
-
-DELAYS = ("minimal", "low", "medium", "high", "xhigh")  # OpenAI's AudioTranscription.delay
 
 
 @dataclass(frozen=True)
@@ -193,8 +191,9 @@ def _with_transcription(config: SessionConfig, value: Any) -> SessionConfig:
         raise RealtimeError("a transcription session always transcribes: transcription cannot be null", param=param)
     value = _object(value, param)
     _no_unknown(value, ("model", "language", "prompt", "languages", "keywords", "delay"), param)
-    if value.get("delay") is not None and value["delay"] not in DELAYS:
-        raise RealtimeError(f"{param}.delay must be one of {', '.join(DELAYS)}", param=f"{param}.delay")
+    if value.get("delay") is not None and value["delay"] not in STABLE_LOGPROB_BY_DELAY:  # OpenAI's five values
+        raise RealtimeError(f"{param}.delay must be one of {', '.join(STABLE_LOGPROB_BY_DELAY)}",
+                            param=f"{param}.delay")
     for name in ("model", "language", "prompt"):
         if value.get(name) is not None and not isinstance(value[name], str):
             raise RealtimeError(f"{param}.{name} must be a string", param=f"{param}.{name}")
