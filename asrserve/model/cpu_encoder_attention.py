@@ -47,9 +47,19 @@ def takes(qkv: torch.Tensor) -> bool:
             and available())
 
 
-@torch.library.custom_op("asrserve::encoder_attention_bf16", mutates_args=())
 def encoder_attention(qkv: torch.Tensor) -> torch.Tensor:
-    """Full (unmasked) attention of each audio's positions: [B, L, 3, H, D] bf16 -> [B, L, H, D]."""
+    """Full (unmasked) attention of each audio's positions: [B, L, 3, H, D] bf16 -> [B, L, H, D].
+    The custom op inside a compiled encoder; the kernel directly in eager mode, where the op's
+    dispatch would import torch._dynamo on the first call (1.2 s of a CLI run)."""
+    return encoder_attention_op(qkv) if torch.compiler.is_compiling() else _attend(qkv)
+
+
+@torch.library.custom_op("asrserve::encoder_attention_bf16", mutates_args=())
+def encoder_attention_op(qkv: torch.Tensor) -> torch.Tensor:
+    return _attend(qkv)
+
+
+def _attend(qkv: torch.Tensor) -> torch.Tensor:
     kernel = _kernel()
     assert kernel is not None, "the kernel is not available here (see available())"
     batch, length, three, heads, head_dim = qkv.shape
@@ -62,7 +72,7 @@ def encoder_attention(qkv: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@encoder_attention.register_fake
+@encoder_attention_op.register_fake
 def _(qkv: torch.Tensor) -> torch.Tensor:
     batch, length, _, heads, head_dim = qkv.shape
     return qkv.new_empty(batch, length, heads, head_dim)

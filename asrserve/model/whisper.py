@@ -221,7 +221,9 @@ class TextDecoder(nn.Module):
     def __init__(self, dims: WhisperDims):
         super().__init__()
         d_model = dims.n_text_state
-        self.embed_tokens = nn.Embedding(dims.n_vocab, d_model)
+        # Given its weight, the embedding skips its random initialisation: on the meta device
+        # that goes through torch._refs, which imports torch._dynamo (1.2 s of every start).
+        self.embed_tokens = nn.Embedding(dims.n_vocab, d_model, _weight=torch.empty(dims.n_vocab, d_model))
         self.embed_positions = nn.Parameter(torch.empty(dims.n_text_ctx, d_model), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(d_model, dims.n_text_head) for _ in range(dims.n_text_layer))
         for index, layer in enumerate(self.layers):
