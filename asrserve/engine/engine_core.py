@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from asrserve.config import EngineConfig, resolve_device, resolve_dtype, resolve_scheduler
+from asrserve.cpu_quota import fit_threads_to_quota
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import DecodeSummary, Request, SamplingParams
@@ -25,6 +26,7 @@ MIN_DECODE_TOKENS = 32  # the least room to decode a prompt leaves, beside a pre
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
+        fit_threads_to_quota()  # before the C kernels and the memory profile size anything by it
         self.device = resolve_device(config.model.device)
         config = replace(config, scheduler=resolve_scheduler(config.scheduler, self.device))
         self.config = config

@@ -24,11 +24,12 @@ from asrserve.audio.decode import load_audio
 from asrserve.audio.piece_cutter import PieceCutter
 from asrserve.audio.vad import VADUnavailableError
 from asrserve.config import SAMPLE_RATE
+from asrserve.cpu_quota import usable_cpus
 from asrserve.entrypoints.error_handlers import vad_unavailable_error
 
 
 def default_preprocess_workers() -> int:
-    return max(1, min(os.cpu_count() or 1, 2))
+    return max(1, min(usable_cpus(), 2))
 
 
 class PreparedAudio:

@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,6 +20,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
+from asrserve.cpu_quota import usable_cpus
 from asrserve.engine.request_checks import check_language
 from asrserve.entrypoints.auth import authorize, is_allowed_key
 from asrserve.entrypoints.live_shutdown import (
@@ -51,7 +51,7 @@ class RealtimeState:
         config = state.config
         interim_slots = config.realtime_max_interim_decodes
         if interim_slots is None:
-            interim_slots = max(1, (os.cpu_count() or 2) // 2)
+            interim_slots = max(1, usable_cpus() // 2)
         self.options = RealtimeOptions(
             interim_interval_s=config.realtime_interim_interval_s, max_buffer_s=config.realtime_max_buffer_s,
             pause_ms=config.realtime_pause_ms,
