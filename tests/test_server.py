@@ -526,6 +526,22 @@ def test_long_audio_is_cut_in_pauses_and_transcribed_in_order(client, long_speec
         assert matched[number] >= 0.5 * len(_words(SENTENCES[index])), (number, SENTENCES[index], text)
 
 
+def test_music_before_speech_is_read_once_with_timestamps(client, tmp_path):
+    """Seek continuation over HTTP goes by Silero's speech (planned off the event loop): the
+    sentence timed over the music before it was read a second time where it is said."""
+    from tests.conftest import synthesize
+    from tests.test_music_and_noise import SENTENCE, music
+
+    speech = load_audio(synthesize(SENTENCE, tmp_path / "sentence.wav"))
+    path = tmp_path / "music_then_speech.wav"
+    soundfile.write(path, np.concatenate([music(12), speech / np.abs(speech).max() * 0.5]), SAMPLE_RATE)
+    with open(path, "rb") as file:
+        result = client.audio.transcriptions.create(model="tiny.en", file=file, response_format="verbose_json")
+    words = _words(result.text)
+    assert words.count("country") == 2 and words.count("fellow") == 1, result.text
+    assert result.segments[0].start >= 11.0, result.segments
+
+
 def test_chunking_strategy_field(server, client, long_speech):
     """OpenAI's chunking_strategy: "auto" and server_vad (one JSON field, or the bracketed
     fields OpenAI's SDKs send) cut at voice activity; bad values are a 400 naming the field."""

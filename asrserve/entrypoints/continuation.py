@@ -14,13 +14,13 @@ where it starts, so segment and word times stay absolute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from asrserve.audio.chunking import first_sound
+from asrserve.audio.chunking import ChunkingStrategy, first_sound
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -46,6 +46,14 @@ CUT_SHORT = ("length", "repetition")
 # Previous text is not carried across a decode that needed a high temperature (openai/whisper
 # resets its prompt there too: such text is more likely wrong than useful).
 MAX_PROMPT_TEMPERATURE = 0.5
+# A decode that stopped early (or wrote a long first segment) over less speech than this
+# (Silero's) before its seek point, with speech after it, wrote its text where no one speaks:
+# music or noise before the speech took Whisper's first timestamp, the sentence was timed over
+# it, and a continuation from its end read the sentence again.
+MIN_SPEECH_UNDER_TEXT_S = 1.0
+
+# Speech regions ([start, end) samples) of a piece's audio; None where they cannot be known.
+SpeechFinder = Callable[[np.ndarray], "list[tuple[int, int]] | None"]
 
 
 @dataclass
@@ -62,7 +70,8 @@ class Continuation:
     """The rest of a piece: where it starts, its audio, and what it is decoded with."""
 
     seek_s: float  # from the start of the parent piece
-    reason: str  # "early_stop", "length", "repetition", "implausible_segment" or "implausible_open": for logs
+    reason: str  # "early_stop", "length", "repetition", "implausible_segment", "implausible_open" or
+    # "text_before_speech": for logs
     prompt: str | None  # the user's prompt and the parent's text, as previous text
     samples: np.ndarray  # the parent's audio from seek_s on
     result: PieceResult  # where its outputs go: offset and language follow the parent's
@@ -77,12 +86,18 @@ def plan_continuation(
     language: str | None = None,
     *,
     timestamps: bool,
+    find_speech: SpeechFinder | None = None,
+    text_shown: bool = False,
 ) -> Continuation | None:
     """Decides whether the finished `piece` (its audio: `samples`) needs a continuation, and if
     so cuts its tokens at the seek point. depth: continuations already made for this piece;
     language: the job's, for a piece that has none of its own; timestamps: whether the piece
     decoded with them. Without them there is nothing to seek by: a stray timestamp token after
-    <|notimestamps|> (random weights write them) once sent a json request past its 224 tokens."""
+    <|notimestamps|> (random weights write them) once sent a json request past its 224 tokens.
+    find_speech (speech_finder): where a decode stopped early, whether speech (not any sound:
+    music and noise made every stop early, each continuation another "Thank you.") follows;
+    without it, sound by energy. text_shown: the piece's settled text has been streamed, and
+    is kept whatever follows."""
     if depth >= MAX_CONTINUATIONS or piece.is_silence or piece.finish_reason not in ("stop", *CUT_SHORT):
         return None
     eot = tokenizer.special.eot
@@ -96,14 +111,28 @@ def plan_continuation(
     if seek_s < MIN_PROGRESS_S or piece.duration_s - seek_s < MIN_REMAINDER_S:
         return None
     seek_sample = round(seek_s * SAMPLE_RATE)
-    sound = first_sound(samples[seek_sample:], samples)  # samples past the seek point
-    if reason in ("early_stop", "implausible_open") and sound is None:
+    heard = ("early_stop", "implausible_open", "implausible_segment")  # the reasons that suppose speech after
+    speech = find_speech(samples) if find_speech is not None and reason in heard else None
+
+    def heard_after(sample: int) -> int | None:  # samples from `sample` to the next speech (or sound)
+        return first_sound(samples[sample:], samples) if speech is None else _speech_after(speech, sample)
+
+    sound = heard_after(seek_sample)
+    # (A long segment of few words over music or noise, with no speech after: as it is. By
+    # energy, sound is any noise, and a long segment is continued regardless.)
+    if sound is None and (reason in ("early_stop", "implausible_open") or speech is not None):
         return None
     if reason == "implausible_open":  # sound after where its words would plausibly end, not theirs
-        said = round(_plausible_end(open_text) * SAMPLE_RATE)
-        if first_sound(samples[said:], samples) is None:
+        if heard_after(round(_plausible_end(open_text) * SAMPLE_RATE)) is None:
             return None  # a last sentence, then silence: kept as it is
     start_sample = _past_the_pause(seek_sample, sound)
+    speech_from = speech[0][0] - round(PAUSE_KEPT_S * SAMPLE_RATE) if speech else 0
+    if (reason in ("early_stop", "implausible_segment") and not text_shown
+            and speech_from >= MIN_PROGRESS_S * SAMPLE_RATE and _speech_s(speech, seek_sample) < MIN_SPEECH_UNDER_TEXT_S):
+        # Its text lies where no one speaks (or, a long first segment, where its words would
+        # be said): dropped, and the piece read again from its speech.
+        keep, seek_sample, start_sample, reason = 0, speech_from, speech_from, "text_before_speech"
+        seek_s, closing_time = seek_sample / SAMPLE_RATE, None
     del piece.token_ids[keep:]
     del piece.logprobs[keep:]
     if closing_time is not None:  # an implausible first segment keeps its text, ending where we seek
@@ -128,6 +157,35 @@ def plan_continuation(
         is_continuation=True,
     )
     return Continuation(seek_s, reason, prompt, rest, result)
+
+
+def speech_finder(strategy: ChunkingStrategy) -> SpeechFinder | None:
+    """Silero's speech regions, at the strategy's threshold, for a voice-activity strategy
+    (None for "energy", which never runs Silero); a finder that gives None where Silero
+    cannot be loaded (continuation then goes by energy, as before)."""
+    if strategy.type == "energy":
+        return None
+
+    def find(samples: np.ndarray) -> list[tuple[int, int]] | None:
+        from asrserve.audio import vad
+
+        try:
+            threshold = vad.DEFAULT_THRESHOLD if strategy.threshold is None else strategy.threshold
+            return vad.speech_regions(samples, threshold)
+        except ImportError:  # vad.VADUnavailableError
+            return None
+
+    return find
+
+
+def _speech_after(regions: list[tuple[int, int]], sample: int) -> int | None:
+    """Samples from `sample` to the first speech at or after it (0 inside speech), or None."""
+    return next((max(0, start - sample) for start, end in regions if end > sample), None)
+
+
+def _speech_s(regions: list[tuple[int, int]], end_sample: int) -> float:
+    """Seconds of speech before `end_sample`."""
+    return sum(max(0, min(end, end_sample) - start) for start, end in regions) / SAMPLE_RATE
 
 
 def _past_the_pause(seek_sample: int, sound: int | None) -> int:

@@ -23,7 +23,7 @@ from asrserve.config import (
 )
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import RequestOutput, SamplingParams
-from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation
+from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, speech_finder
 from asrserve.entrypoints.offline_engine import SharedEngine
 from asrserve.entrypoints.offline_inputs import input_languages, input_sources
 from asrserve.entrypoints.protocol import prompt_with_keywords
@@ -232,6 +232,7 @@ class ASR:
             strategy = ChunkingStrategy.parse(chunking_strategy, DEFAULT_CHUNKING)
         except ValueError as error:
             raise InvalidRequestError(f"chunking_strategy: {error}") from None
+        find_speech = speech_finder(strategy)
         max_in_flight = max_in_flight or 2 * self.engine.config.scheduler.max_num_seqs
         shared = self._shared
         pending = iter(enumerate(sources))
@@ -269,7 +270,7 @@ class ASR:
             if not seek_continuation:
                 return 0
             plan = plan_continuation(self.tokenizer, piece.result, piece.samples, piece.depth, prompt,
-                                     piece.job.language, timestamps=piece.job.params.timestamps)
+                                     piece.job.language, timestamps=piece.job.params.timestamps, find_speech=find_speech)
             if plan is None:
                 return 0
             pieces = piece.job.pieces

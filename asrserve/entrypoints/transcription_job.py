@@ -5,6 +5,7 @@ Whisper left unfinished is continued by a new request for its rest (entrypoints.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import time
@@ -13,12 +14,12 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
-from asrserve.audio.chunking import AudioPiece
+from asrserve.audio.chunking import AudioPiece, ChunkingStrategy
 from asrserve.config import SAMPLE_RATE
 from asrserve.engine.async_client import AsyncEngineClient, RequestStream
 from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
-from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length
+from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length, speech_finder
 from asrserve.entrypoints.pieces import (
     PieceResult, cap_text_tokens, joiner, long_form_params, spoken_language, transcript_text, written_in,
 )
@@ -75,6 +76,7 @@ class TranscriptionJob:
         max_completion_tokens: int | None,
         prompt: str | None = None,
         seek_continuation: bool = True,
+        chunking: ChunkingStrategy | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -85,6 +87,7 @@ class TranscriptionJob:
         self.prompt = prompt
         self.max_completion_tokens = max_completion_tokens
         self.seek_continuation = seek_continuation
+        self._find_speech = speech_finder(chunking) if chunking is not None else None  # (None: by energy)
         # Audio still being read has come out in pieces already, so it is longer than 30 s.
         self.sampling_params = long_form_params(sampling_params, audio.duration_s if audio.complete else math.inf)
         self.text = ""
@@ -161,16 +164,21 @@ class TranscriptionJob:
         request_id = f"{self._prefix}-{next(self._next_piece)}"
         return EngineRequest(request_id, samples, language, self.task, self.sampling_params, prompt)
 
-    def _continue(
-        self, piece: PieceResult, samples: np.ndarray, depth: int
+    async def _continue(
+        self, piece: PieceResult, samples: np.ndarray, depth: int, text_shown: bool = False
     ) -> tuple[RequestStream, PieceResult, np.ndarray] | None:
         """Submits the rest of a finished piece Whisper left unfinished (and cuts the piece's
-        tokens where it starts): its stream, result and audio. None if the piece is done."""
+        tokens where it starts): its stream, result and audio. None if the piece is done.
+        Planned on a thread, where it may run Silero over the piece (~20 ms for 30 s): the
+        piece is this chain's alone until then."""
         if not self.seek_continuation or self._aborted:
             return None
-        plan = plan_continuation(self.tokenizer, piece, samples, depth, self.prompt, self.language,
-                                 timestamps=self.sampling_params.timestamps)
-        if plan is None:
+        plan_it = functools.partial(
+            plan_continuation, self.tokenizer, piece, samples, depth, self.prompt, self.language,
+            timestamps=self.sampling_params.timestamps, find_speech=self._find_speech, text_shown=text_shown,
+        )
+        plan = plan_it() if self._find_speech is None else await asyncio.to_thread(plan_it)
+        if plan is None or self._aborted:
             return None
         request = self._request(plan.samples, plan.result.language, plan.prompt)
         self.requests.append(request)
@@ -236,7 +244,7 @@ class TranscriptionJob:
             if piece.summary is not None and piece.summary.num_attempts == 0:
                 self.num_decodes_shown -= 1  # digital silence: the engine answered it without the model
             at_limit = budget is not None and len(_text_tokens(piece.token_ids, eot, budget)) >= budget
-            following = None if at_limit else self._continue(piece, samples, depth)
+            following = None if at_limit else await self._continue(piece, samples, depth, text_shown=True)
             if parent is not None:
                 drop_repeated_words(self.tokenizer, [parent, piece])  # as the whole transcript does
             shown = _text_tokens(piece.token_ids, eot, budget)
@@ -300,7 +308,7 @@ class TranscriptionJob:
                 self._on_output(output)
                 piece.add(output)
             chain.append(piece)
-            following = self._continue(piece, samples, depth=len(chain) - 1)
+            following = await self._continue(piece, samples, depth=len(chain) - 1)
             if following is None:
                 return chain
             stream, piece, samples = following
