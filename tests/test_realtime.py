@@ -327,9 +327,11 @@ def test_a_disconnect_mid_utterance_stops_its_engine_work(server, speech_audio):
             # leave without committing while a decode runs; the context manager closes the socket
 
     aborted = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
+    opened = server.metrics().get("asrserve_realtime_sessions_opened_total", 0)
     asyncio.run(run())
     wait_for_idle_engine(server)
     assert server.metrics()["asrserve_engine_requests_aborted_total"] > aborted
+    assert server.metrics()["asrserve_realtime_sessions_opened_total"] == opened + 1
 
 
 def test_keys_subprotocol_limits_and_idle_timeout(server, speech_audio):

@@ -84,6 +84,10 @@ class ServerMetrics:
         self.realtime_sessions = Gauge(
             "asrserve_realtime_sessions", "Live transcription sessions connected to /v1/realtime", registry=registry
         )
+        self.realtime_opened = Counter(
+            "asrserve_realtime_sessions_opened", "Live sessions accepted on /v1/realtime (refused ones not counted)",
+            registry=registry,
+        )
         self.realtime_refused = Counter(
             "asrserve_realtime_sessions_refused", "Live sessions refused, by the error code the client got "
             "(session_limit_reached at --realtime-max-sessions; invalid_api_key, origin_not_allowed, ...)",

@@ -134,6 +134,7 @@ def add_realtime_routes(app: FastAPI, state: ServerState) -> RealtimeState:
             return
         realtime.num_sessions += 1
         state.metrics.realtime_sessions.inc()
+        state.metrics.realtime_opened.inc()
         try:
             await _run_session(websocket, state, realtime)
         finally:
