@@ -12,27 +12,11 @@ import numpy as np
 import pytest
 
 from asrserve.audio.decode import load_audio
+from asrserve.benchmark.synthetic_music import music
 from tests.conftest import synthesize
 
 SR = 16_000
 SENTENCE = "And so my fellow Americans, ask not what your country can do for you, ask what you can do for your country."
-
-
-def music(seconds: int, seed: int = 0) -> np.ndarray:
-    """Piano-like chords, one a second, under a drum hit every half second, at -18 dBFS RMS."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(SR) / SR
-    out = np.zeros(seconds * SR)
-    chords = [[261.6, 329.6, 392.0], [220.0, 261.6, 329.6], [174.6, 220.0, 261.6], [196.0, 246.9, 293.7]]
-    for second in range(seconds):
-        for frequency in chords[second % 4]:
-            for harmonic in range(1, 5):
-                out[second * SR : (second + 1) * SR] += np.exp(-2 * t) * np.sin(2 * np.pi * frequency * harmonic * t) / harmonic
-    hit = SR // 8
-    for beat in range(2 * seconds):
-        start = beat * SR // 2
-        out[start : start + hit] += rng.standard_normal(hit) * np.exp(-30 * t[:hit]) * (1.5 if beat % 2 else 0.8)
-    return (out / np.sqrt(np.mean(out**2)) * 10 ** (-18 / 20)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")

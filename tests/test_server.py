@@ -530,7 +530,8 @@ def test_music_before_speech_is_read_once_with_timestamps(client, tmp_path):
     """Seek continuation over HTTP goes by Silero's speech (planned off the event loop): the
     sentence timed over the music before it was read a second time where it is said."""
     from tests.conftest import synthesize
-    from tests.test_music_and_noise import SENTENCE, music
+    from asrserve.benchmark.synthetic_music import music
+    from tests.test_music_and_noise import SENTENCE
 
     speech = load_audio(synthesize(SENTENCE, tmp_path / "sentence.wav"))
     path = tmp_path / "music_then_speech.wav"
