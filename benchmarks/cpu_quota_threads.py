@@ -1,6 +1,6 @@
 """Offline transcription time of 10 recordings of ../shared/audio with the engine's threads as
 they are at start: run it inside a CPU quota (docker --cpus, a cgroup) with and without
-OMP_NUM_THREADS to compare torch's own thread count with the quota's (asrserve/cpu_quota.py).
+OMP_NUM_THREADS to compare torch's own thread count with the quota's (asrserve/worker/cpu_quota.py).
 
     python benchmarks/cpu_quota_threads.py    # best of 3, after a warm-up
 """

@@ -1,4 +1,4 @@
-"""The CPUs a container may use (asrserve/cpu_quota.py): its cgroup's CPU quota, read the way
+"""The CPUs a container may use (asrserve/worker/cpu_quota.py): its cgroup's CPU quota, read the way
 docker --cpus and a Kubernetes CPU limit set it, sizes torch's threads."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from asrserve import cpu_quota
+from asrserve.worker import cpu_quota
 
 
 def _write(path: Path, text: str) -> None:

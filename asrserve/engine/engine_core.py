@@ -8,7 +8,6 @@ from dataclasses import replace
 import numpy as np
 
 from asrserve.config import EngineConfig, resolve_device, resolve_dtype, resolve_scheduler
-from asrserve.cpu_quota import fit_threads_to_quota
 from asrserve.engine.block_manager import BlockManager
 from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.request import DecodeSummary, Request, SamplingParams
@@ -16,6 +15,7 @@ from asrserve.engine.request_checks import check_audio_piece, check_language, ch
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
 from asrserve.model.loader import load_model
+from asrserve.worker.cpu_quota import fit_threads_to_quota
 from asrserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

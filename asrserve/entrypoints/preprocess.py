@@ -24,8 +24,8 @@ from asrserve.audio.decode import load_audio
 from asrserve.audio.piece_cutter import PieceCutter
 from asrserve.audio.vad import VADUnavailableError
 from asrserve.config import SAMPLE_RATE
-from asrserve.cpu_quota import usable_cpus
 from asrserve.entrypoints.error_handlers import vad_unavailable_error
+from asrserve.worker.cpu_quota import usable_cpus
 
 
 def default_preprocess_workers() -> int:

@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
-from asrserve.cpu_quota import usable_cpus
 from asrserve.engine.request_checks import check_language
 from asrserve.entrypoints.auth import authorize, is_allowed_key
 from asrserve.entrypoints.live_shutdown import (
@@ -35,6 +34,7 @@ from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSessi
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
 from asrserve.errors import InvalidRequestError, shown
+from asrserve.worker.cpu_quota import usable_cpus
 
 logger = logging.getLogger("asrserve.realtime")
 
