@@ -34,8 +34,12 @@ def test_music_before_speech_does_not_read_the_sentence_twice(asr, sentence):
     result = asr.transcribe(audio, timestamps=True)[0]
     words = _words(result.text)
     assert words.count("country") == 2 and words.count("fellow") == 1, result.text
-    # Its words are where they are said, not over the music.
+    # Its words are where they are said, not over the music; the decode dropped before the
+    # speech leaves no segment, word or text behind.
     assert result.segments and result.segments[0].start >= 11.0, result.segments
+    timed = asr.transcribe(audio, word_timestamps=True)[0]
+    assert timed.text == result.text and [s.id for s in timed.segments] == list(range(len(timed.segments)))
+    assert timed.words and timed.words[0].start >= 11.0, timed.words[:3]
 
 
 def test_music_after_speech_adds_nothing(asr, sentence):
