@@ -158,6 +158,15 @@ class Piece:
         return len(self.samples) / SAMPLE_RATE
 
 
+def short_english_recordings(max_s: float) -> list[Piece]:
+    """../shared/audio's English recordings of at most `max_s` seconds; exits saying the folder
+    is needed where there are none (the short-file benchmarks have nothing else to read)."""
+    recordings = [piece for piece in shared_pieces("en") if len(piece.samples) <= max_s * SAMPLE_RATE]
+    if not recordings:
+        raise SystemExit("../shared/audio is needed for the English recordings")
+    return recordings
+
+
 def shared_pieces(language: str) -> list[Piece]:
     """../shared/audio's recordings in `language`, in manifest order ([] without the folder). A
     file whose reference gives one text per channel (two speakers talking at once) contributes

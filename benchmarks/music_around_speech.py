@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from long_form import shared_pieces  # noqa: E402
+from long_form import short_english_recordings  # noqa: E402
 
 from asrserve.audio.chunking import first_sound  # noqa: E402
 from asrserve.benchmark.synthetic_music import music  # noqa: E402
@@ -42,9 +42,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny.en")
     parser.add_argument("--save-result")
     args = parser.parse_args()
-    recordings = [p for p in shared_pieces("en") if len(p.samples) <= MAX_RECORDING_S * SAMPLE_RATE]
-    if not recordings:
-        raise SystemExit("../shared/audio is needed for the English recordings")
+    recordings = short_english_recordings(MAX_RECORDING_S)
     from asrserve.entrypoints.offline import ASR
 
     asr = ASR(args.model)
