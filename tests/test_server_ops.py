@@ -328,7 +328,8 @@ def test_languages_and_keywords_through_the_openai_sdk(base_server, tmp_path):
 
 def test_silence_on_a_multilingual_model_still_names_a_language(base_server):
     """No audio reaches the model (digital silence; no speech found in 40 s of noise), so
-    none is detected: verbose_json still names one, as OpenAI's types require."""
+    none is detected: verbose_json still names one, as OpenAI's types require (one of those
+    listed in languages[] where the request lists some)."""
     from openai.types.audio import TranscriptionVerbose
 
     noise = np.random.default_rng(1).normal(0, 0.003, 40 * SAMPLE_RATE).astype(np.float32)
@@ -340,6 +341,11 @@ def test_silence_on_a_multilingual_model_still_names_a_language(base_server):
         assert response.status_code == 200, response.text
         body = TranscriptionVerbose.model_validate(response.json())
         assert body.language == "english" and body.text == ""
+        # Listing the languages the audio may be in, the one named is among them (it said english).
+        response = httpx.post(f"{base_server.url}/v1/audio/transcriptions", files={"file": wav.getvalue()},
+                              data={"response_format": "verbose_json", "languages[]": ["fr", "de"]}, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["language"] in ("french", "german") and response.json()["text"] == ""
 
 
 # --- start-up failures -------------------------------------------------------------------

@@ -62,7 +62,7 @@ def reported_language(task: str, language: str | None) -> str:
     "german"), as Whisper's own table does, not the ISO code. A translation's is its output's
     (OpenAI's type: "always `english`"). A transcription of which no audio reached the model
     (digital silence, no speech found) on a multilingual model has none detected: English, as
-    Whisper reads silence."""
+    Whisper reads silence (pieces.spoken_language names a listed language instead)."""
     if task == "translate" or language is None:
         return LANGUAGES["en"]
     return LANGUAGES.get(language, language)

@@ -322,7 +322,7 @@ class ASR:
             return Transcription("", None, 0.0, source=job.source, error=job.error)
         drop_repeated_words(self.tokenizer, job.pieces)
         cap_text_tokens(job.pieces, text_limit, self.tokenizer.special.eot)
-        language = spoken_language(job.pieces, job.language) if self.engine.is_multilingual else "en"
+        language = spoken_language(job.pieces, job.language, params.languages) if self.engine.is_multilingual else "en"
         spoken = [piece for piece in job.pieces if not piece.is_silence]
         is_timestamp = self.tokenizer.is_timestamp
         all_logprobs = [lp for piece in spoken for lp in piece.logprobs]

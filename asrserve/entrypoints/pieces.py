@@ -3,6 +3,7 @@ transcript text of several pieces joined."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from asrserve.config import CHUNK_SECONDS
@@ -113,10 +114,15 @@ def written_in(language: str | None, task: str) -> str | None:
     return "en" if task == "translate" else language
 
 
-def spoken_language(pieces: list[PieceResult], default: str | None) -> str | None:
+def spoken_language(pieces: list[PieceResult], default: str | None, allowed: Sequence[str] = ()) -> str | None:
     """The first language heard in time: pieces judged silence say nothing (Whisper "detects"
-    Welsh or Nynorsk in near-silence)."""
-    return next((piece.language for piece in pieces if piece.language and not piece.is_silence), default)
+    Welsh or Nynorsk in near-silence). Where nothing was heard and the request listed the
+    languages the audio may be in, one of those: a silent piece's detection (made among them),
+    else the first listed."""
+    heard = next((piece.language for piece in pieces if piece.language and not piece.is_silence), default)
+    if heard is not None or not allowed:
+        return heard
+    return next((piece.language for piece in pieces if piece.language in allowed), allowed[0])
 
 
 def transcript_text(tokenizer: WhisperTokenizer, pieces: list[PieceResult], language: str | None,

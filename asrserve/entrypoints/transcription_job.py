@@ -292,7 +292,7 @@ class TranscriptionJob:
         self.pieces = [piece for chain in done for piece in chain]
         drop_repeated_words(self.tokenizer, self.pieces)
         # The first piece's language in time, not the first to be detected (as the join below reads it).
-        self.language = spoken_language(self.pieces, self._requested_language)
+        self.language = spoken_language(self.pieces, self._requested_language, self.sampling_params.languages)
         if self.language is not None:
             for piece in self.pieces:
                 piece.language = piece.language or self.language
