@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                       help="browser origins (https://app.example.com, or *) whose pages may call the API "
                       "(CORS); default: none")
+    http.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                      help="serve https:// and wss:// with this certificate (chain), PEM")
+    http.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                      help="the certificate's private key, PEM, unencrypted (default: in --ssl-certfile)")
     http.add_argument("--preprocess-workers", type=int, default=None,
                       help="threads that decode, resample and split uploads (default: min(CPUs, 2))")
     http.add_argument("--max-audio-filesize-mb", type=float, default=25.0,
@@ -282,7 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
             realtime_max_buffer_s=args.realtime_max_buffer_s,
             realtime_interim_interval_s=args.realtime_interim_interval_s,
             realtime_max_interim_decodes=args.realtime_max_interim_decodes, realtime_pause_ms=args.realtime_pause_ms,
-            playground=args.playground,
+            playground=args.playground, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         )
         engine_config = EngineConfig(
             model=ModelConfig(

@@ -254,6 +254,10 @@ class ServerConfig:
     # The browser playground at GET /playground (static pages that call the API with the
     # visitor's own key); off, GET / still describes the server.
     playground: bool = True
+    # TLS: serve https:// and wss:// with this certificate chain (PEM) and private key (PEM; None:
+    # in the certificate file). OpenAI's Node SDK opens live sessions over wss:// only.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     log_level: str = "info"
     # One log line per HTTP request (uvicorn's access log); never includes headers or keys.
     access_log: bool = True
@@ -261,6 +265,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be between 1 and 65535, got {self.port}")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_keyfile needs ssl_certfile (the certificate it is the key of)")
         for name, at_least_one in _SERVER_COUNTS:
             value = getattr(self, name)
             if value is not None and value < (1 if at_least_one else 0):

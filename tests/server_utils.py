@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,10 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None,
                  new_session: bool = False):
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # Served over TLS: the certificate is its own CA (self-signed), which clients trust.
+        tls = "--ssl-certfile" in args
+        self.verify = ssl.create_default_context(cafile=args[args.index("--ssl-certfile") + 1]) if tls else True
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="asrserve-", suffix=".log", delete=False)
         command = [sys.executable, "-m", "asrserve", "serve", *args]
         if "--port" not in args and not (env and "ASRSERVE_PORT" in env):
@@ -40,7 +44,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
             try:
-                status = httpx.get(f"{self.url}/health", timeout=5).status_code
+                status = httpx.get(f"{self.url}/health", timeout=5, verify=self.verify).status_code
                 self.health_statuses.append(status)
                 if status == 200:
                     return self
@@ -79,7 +83,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, from /metrics."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify).text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import ssl
 import subprocess
+import sys
+import time
 
 import httpx
 import pytest
 import websockets
 import websockets.exceptions
 
-from tests.server_utils import ServerProcess
+from asrserve.config import ServerConfig
+from tests.server_utils import ServerProcess, free_port
 from tests.test_server import _assert_error
 
 pytestmark = pytest.mark.slow
@@ -129,3 +134,51 @@ def test_no_request_field_reaches_the_filesystem(server, speech_files, tmp_path)
     _assert_error(_post(server, KEYS[0], files={"file": audio}, data={"language": traversal}), 400, "language")
     assert _post(server, KEYS[0], files={"file": audio}, data={"prompt": traversal}).status_code == 200
     assert not target.exists()
+
+
+def _self_signed_certificate(directory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (separate PEM files), made by openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=asrserve",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_serves_https_and_wss_and_refuses_a_bad_certificate_before_loading(speech_files, tmp_path):
+    """--ssl-certfile/--ssl-keyfile: the API over https:// and live sessions over wss:// (OpenAI's
+    Node SDK opens them over wss:// whatever its base URL says: it could not reach a plain-HTTP
+    server); plain HTTP to that port gets no answer. A certificate that cannot be served stops
+    the server at once, before the model loads, saying why."""
+    cert, key = _self_signed_certificate(tmp_path)
+    process = ServerProcess(["--dtype", "float32", "--ssl-certfile", cert, "--ssl-keyfile", key])
+    try:
+        server = process.wait_ready()
+        assert server.url.startswith("https://")
+        response = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[1].read_bytes()},
+                              timeout=120, verify=server.verify)
+        assert response.status_code == 200 and len(response.json()["text"].split()) >= 3, response.text
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
+
+        async def live_session() -> str:
+            context = ssl.create_default_context(cafile=cert)
+            url = f"wss://127.0.0.1:{server.port}/v1/realtime?intent=transcription"
+            async with websockets.connect(url, ssl=context) as session:
+                return json.loads(await session.recv())["type"]
+
+        assert asyncio.run(live_session()) == "session.created"
+        assert f"https://127.0.0.1:{server.port}" in server.logs()
+    finally:
+        process.stop()
+    with pytest.raises(ValueError, match="ssl_keyfile needs ssl_certfile"):
+        ServerConfig(ssl_keyfile=key)
+    for args in (["--ssl-certfile", str(tmp_path / "missing.pem")], ["--ssl-certfile", key, "--ssl-keyfile", cert]):
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "asrserve", "serve", "--port", str(free_port()), *args],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (args, result.stderr)
+        assert "--ssl-" in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert time.monotonic() - started < 30  # refused before the model loads

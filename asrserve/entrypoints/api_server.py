@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -161,9 +162,23 @@ def _cannot_listen(host: str, port: int) -> str | None:
     return None
 
 
+def _cannot_serve_tls(certfile: str | None, keyfile: str | None) -> str | None:
+    """Why the certificate and key cannot be served, found before the model loads (uvicorn
+    reads them after its start-up)."""
+    if certfile is None:
+        return None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=lambda: b"")
+    except (OSError, ssl.SSLError) as error:
+        files = f"--ssl-certfile {certfile}" + ("" if keyfile is None else f" and --ssl-keyfile {keyfile}")
+        return f"cannot serve TLS with {files}: {getattr(error, 'strerror', None) or error}"
+    return None
+
+
 def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     """Serves until interrupted; returns the process exit status."""
-    if (reason := _cannot_listen(config.host, config.port)) is not None:
+    reason = _cannot_listen(config.host, config.port) or _cannot_serve_tls(config.ssl_certfile, config.ssl_keyfile)
+    if reason is not None:
         print(f"asrserve: error: {reason}", file=sys.stderr)
         return 2
     app = build_app(config, engine_config)
@@ -177,13 +192,14 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
             # append somewhat over it gets an `error` event rather than a dropped connection; not
             # far above, since each connection may hold a frame this large while it arrives.
             ws_max_size=MAX_EVENT_BYTES + (1 << 20),
+            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
         )
     )
     redact_keys_in_logs()  # uvicorn.Config has set logging up
     log_each_bug_once()
     state.uvicorn_server = server
     server.state, server.realtime = state, app.state.realtime
-    url = served_url(config.host, config.port)
+    url = served_url(config.host, config.port, tls=config.ssl_certfile is not None)
     logger.info("asrserve %s serving %s at %s (OpenAI base URL %s/v1)", __version__, state.model_name, url, url)
     server.run()
     if not server.started and state.exit_code == 0:
@@ -191,8 +207,9 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     return state.exit_code
 
 
-def served_url(host: str, port: int) -> str:
+def served_url(host: str, port: int, tls: bool = False) -> str:
     """The address the start-up log gives: localhost for every interface; an IPv6 address in
     brackets (http://::1:8000 is no URL)."""
     host = "localhost" if host in ("0.0.0.0", "::", "") else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
