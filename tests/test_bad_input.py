@@ -179,6 +179,14 @@ def test_no_file_field(server, speech, then_good):
     _assert_error(_post(server, data={"file": "not an upload"}, files={"x": ("x", b"")}), 400, "file")
 
 
+def test_a_byte_array_spread_over_fields_is_named_as_such(server, speech, then_good):
+    """OpenAI's Node SDK given a Buffer as `file` sends one field per byte, file[0], file[1], ...:
+    the answer said "the form has more than 64 fields", naming nothing."""
+    spread = {f"file[{i}]": str(byte) for i, byte in enumerate(speech[:200])}
+    error = _assert_error(_post(server, data={"model": "tiny.en", **spread}, files={"x": ("x", b"")}), 400, "file")
+    assert "toFile" in error["message"] and "file[0]" in error["message"]
+
+
 def test_empty_bodies(server, then_good):
     _assert_error(_post(server), 400)  # no body, no content type
     _assert_error(_post(server, content=b"", headers={"content-type": "multipart/form-data; boundary=xyz"}), 400)

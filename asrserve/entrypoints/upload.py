@@ -92,6 +92,12 @@ async def read_form(
             return
         if part.filename is not None:
             return
+        if part.name.startswith(f"{file_field}["):
+            # A client that spreads a byte array over fields: OpenAI's Node SDK given a Buffer
+            # sends file[0], file[1], ... (the form would run out of fields at the 65th byte).
+            raise APIError(400, f"{file_field!r} arrived as one form field per byte ({file_field}[0], "
+                           f"{file_field}[1], ...): send the audio as a file part (OpenAI's Node SDK: "
+                           f"toFile(buffer, 'audio.wav'))", param=file_field)
         if len(form.fields) >= MAX_FIELDS and part.name not in form.fields:
             raise APIError(400, f"the form has more than {MAX_FIELDS} fields")
         form.fields.setdefault(part.name, []).append(part.data.decode("utf-8", "replace"))
@@ -120,7 +126,9 @@ async def read_form(
     except ClientDisconnect:
         raise ClientGone() from None
     if form.filename is None:
-        raise APIError(400, f"the form has no {file_field!r} file: attach the audio as {file_field}", param=file_field)
+        # (OpenAI's Node SDK leaves out a Blob without a name, fs.openAsBlob's among them.)
+        raise APIError(400, f"the form has no {file_field!r} file: attach the audio as {file_field} (from "
+                       f"OpenAI's Node SDK: a File, or toFile(data, 'audio.wav'))", param=file_field)
     form.file = file_data  # no copy: the decoder reads a bytearray as it is
     return form
 
