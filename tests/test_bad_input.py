@@ -185,6 +185,9 @@ def test_a_byte_array_spread_over_fields_is_named_as_such(server, speech, then_g
     spread = {f"file[{i}]": str(byte) for i, byte in enumerate(speech[:200])}
     error = _assert_error(_post(server, data={"model": "tiny.en", **spread}, files={"x": ("x", b"")}), 400, "file")
     assert "toFile" in error["message"] and "file[0]" in error["message"]
+    # Beside a real file part, such fields are only fields (form builders that send file[name]).
+    assert _post(server, data={"file[name]": "a.wav"}, files={"file": ("a.wav", speech)}).status_code == 200
+    assert _post(server, files=[("file", ("a.wav", speech)), ("file[0]", (None, "1"))]).status_code == 200
 
 
 def test_empty_bodies(server, then_good):

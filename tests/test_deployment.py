@@ -8,6 +8,7 @@ import http.server
 import os
 import re
 import shlex
+import ssl
 import subprocess
 import threading
 import tomllib
@@ -163,15 +164,27 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
-def test_the_healthcheck_command_follows_health(dockerfile):
+def test_the_healthcheck_command_follows_health(dockerfile, tls, tmp_path):
+    """Over https where the image serves TLS (ASRSERVE_SSL_CERTFILE): the check asked over plain
+    HTTP, so a TLS container stayed unhealthy for good."""
     healthcheck = next(args for kind, args in _instructions(dockerfile) if kind == "HEALTHCHECK")
     command = healthcheck.split(" CMD ", 1)[1]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    env_tls = {}
+    if tls:
+        from tests.test_security import _self_signed_certificate
+
+        cert, key = _self_signed_certificate(tmp_path)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        env_tls = {"ASRSERVE_SSL_CERTFILE": cert, "ASRSERVE_SSL_KEYFILE": key}
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
     def exit_status(port: int) -> int:
-        env = {**os.environ, "ASRSERVE_PORT": str(port)}
+        env = {**os.environ, "ASRSERVE_PORT": str(port), **env_tls}
         return subprocess.run(["sh", "-c", command], env=env, capture_output=True, timeout=30).returncode
 
     try:

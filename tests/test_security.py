@@ -175,7 +175,12 @@ def test_tls_serves_https_and_wss_and_refuses_a_bad_certificate_before_loading(s
         process.stop()
     with pytest.raises(ValueError, match="ssl_keyfile needs ssl_certfile"):
         ServerConfig(ssl_keyfile=key)
-    for args in (["--ssl-certfile", str(tmp_path / "missing.pem")], ["--ssl-certfile", key, "--ssl-keyfile", cert]):
+    # An encrypted key, even one whose passphrase is empty, made OpenSSL ask on the terminal and wait.
+    encrypted = str(tmp_path / "encrypted.pem")
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:", "-out", encrypted], check=True,
+                   capture_output=True)
+    for args in (["--ssl-certfile", str(tmp_path / "missing.pem")], ["--ssl-certfile", key, "--ssl-keyfile", cert],
+                 ["--ssl-certfile", cert, "--ssl-keyfile", encrypted]):
         started = time.monotonic()
         result = subprocess.run([sys.executable, "-m", "asrserve", "serve", "--port", str(free_port()), *args],
                                 capture_output=True, text=True, timeout=120)

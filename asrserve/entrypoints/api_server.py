@@ -164,14 +164,24 @@ def _cannot_listen(host: str, port: int) -> str | None:
 
 def _cannot_serve_tls(certfile: str | None, keyfile: str | None) -> str | None:
     """Why the certificate and key cannot be served, found before the model loads (uvicorn
-    reads them after its start-up)."""
+    would stop with a traceback; given an encrypted key, even one with an empty passphrase,
+    OpenSSL would ask for it on the terminal and wait)."""
     if certfile is None:
         return None
+    files = f"--ssl-certfile {certfile}" + ("" if keyfile is None else f" and --ssl-keyfile {keyfile}")
+    asked = []
+
+    def passphrase() -> bytes:
+        asked.append(True)
+        return b""
+
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=lambda: b"")
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=passphrase)
     except (OSError, ssl.SSLError) as error:
-        files = f"--ssl-certfile {certfile}" + ("" if keyfile is None else f" and --ssl-keyfile {keyfile}")
-        return f"cannot serve TLS with {files}: {getattr(error, 'strerror', None) or error}"
+        if not asked:
+            return f"cannot serve TLS with {files}: {getattr(error, 'strerror', None) or error}"
+    if asked:
+        return f"cannot serve TLS with {files}: the private key is encrypted (give it unencrypted)"
     return None
 
 

@@ -4,6 +4,7 @@ passes the size limit: an oversized upload is never held in memory, nor spooled 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ async def read_form(
     too_large = APIError(
         413, f"the audio file is larger than the {limit_mb:g} MB limit", param=file_field, code="file_too_large"
     )
+    spread_file = re.compile(rf"{re.escape(file_field)}\[\d+\]")  # file[0], file[1], ...: a byte array
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_file_bytes + FORM_OVERHEAD_BYTES:
         raise too_large  # refuse before reading a byte
@@ -92,7 +94,7 @@ async def read_form(
             return
         if part.filename is not None:
             return
-        if part.name.startswith(f"{file_field}["):
+        if form.filename is None and spread_file.fullmatch(part.name):
             # A client that spreads a byte array over fields: OpenAI's Node SDK given a Buffer
             # sends file[0], file[1], ... (the form would run out of fields at the 65th byte).
             raise APIError(400, f"{file_field!r} arrived as one form field per byte ({file_field}[0], "
