@@ -12,7 +12,9 @@ from asrserve.audio.chunking import AudioPiece, ChunkingStrategy
 from asrserve.config import SAMPLE_RATE
 from asrserve.engine.async_client import RequestStream
 from asrserve.engine.request import DecodeSummary, RequestOutput, SamplingParams
-from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length
+from asrserve.entrypoints.continuation import (
+    continuation_language, drop_repeated_words, plan_continuation, settled_length,
+)
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.entrypoints.preprocess import PreparedAudio
 from asrserve.entrypoints.segments import build_segments
@@ -111,6 +113,21 @@ def test_a_loop_cut_short_is_continued_after_its_last_segment(tiny_en_engine):
     plan = plan_continuation(tokenizer, open_loop, _loud(), depth=0, user_prompt=None, timestamps=True)
     assert plan is not None and plan.seek_s == pytest.approx(7.2)
     assert tokenizer.decode(open_loop.token_ids).count("We went home.") == 3  # the open text goes
+
+
+def test_a_continuation_detects_its_language_again_and_keeps_its_pieces_where_unsure(tiny_en_engine):
+    """The rest of a piece was decoded in the piece's language: after a switch inside the piece
+    (English, then Spanish and Italian), the Spanish and Italian came out as English. Without a
+    language in the request it is detected again, the piece's taken where that is unsure."""
+    tokenizer = tiny_en_engine.tokenizer
+    piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0])
+    piece.language = "en"
+    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=True)
+    params = SamplingParams.transcription(languages=("en", "es", "it"))
+    language, continued = continuation_language(None, plan, params)
+    assert language is None and continued.language_if_unsure == "en"
+    assert continued.languages == params.languages and continued.fallback_temperatures == params.fallback_temperatures
+    assert continuation_language("es", plan, params) == ("es", params)  # the request's language holds
 
 
 def test_a_continuation_opening_on_a_long_pause_starts_at_the_sound_after_it(tiny_en_engine):

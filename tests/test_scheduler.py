@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -17,7 +18,8 @@ from asrserve.worker.sampler import SamplerOutput
 
 EOT = 50256
 SOT, NO_TIMESTAMPS = 50257, 50362
-LANGUAGE_DE = 50261
+LANGUAGE_DE, LANGUAGE_FR = 50261, 50265
+LANGUAGE_TOKENS = {"de": LANGUAGE_DE, "fr": LANGUAGE_FR}
 
 
 TIMESTAMP_BEGIN = 50364
@@ -27,10 +29,10 @@ class FakeTokenizer:
     special = SimpleNamespace(eot=EOT, timestamp_begin=TIMESTAMP_BEGIN)
 
     def language_of(self, token_id: int) -> str:
-        return {LANGUAGE_DE: "de"}[token_id]
+        return {token: language for language, token in LANGUAGE_TOKENS.items()}[token_id]
 
     def task_tokens(self, language: str, task: str, timestamps: bool = False) -> list[int]:
-        return [LANGUAGE_DE, 50359] + ([] if timestamps else [50363])
+        return [LANGUAGE_TOKENS[language], 50359] + ([] if timestamps else [50363])
 
     def decode(self, token_ids: list[int]) -> str:
         return " ".join(f"t{t}" for t in token_ids if t < EOT)
@@ -287,6 +289,20 @@ def test_language_detection_step_extends_the_prompt():
     assert request.num_new_tokens == 3, "the language and task tokens go into the next step"
     output, outputs = step(scheduler)
     assert output.encoder_requests == [] and outputs[0].new_token_ids == [1000]
+
+
+def test_an_unsure_detection_gives_way_to_the_language_given_for_that():
+    """A continuation detects its language again (the rest of a piece may be in another one,
+    after a switch) but keeps its piece's where the detection is unsure: a few seconds of
+    speech can look like another language."""
+    for probability, fallback, expected in ((0.3, "fr", "fr"), (0.8, "fr", "de"), (0.3, None, "de")):
+        scheduler = make_scheduler()
+        request = make_request("c", detect_language=True, params=SamplingParams(language_if_unsure=fallback))
+        scheduler.add(request)
+        output = scheduler.schedule()
+        outputs = scheduler.update(output, SamplerOutput([LANGUAGE_DE], [math.log(probability)]))
+        assert outputs[0].language == request.language == expected
+        assert request.prompt_token_ids[1] == LANGUAGE_TOKENS[expected]
 
 
 def test_abort_frees_waiting_and_running_requests():

@@ -49,6 +49,10 @@ class SamplingParams:
     stream_tokens: bool = True
     # Where the language is detected: the codes it may pick (OpenAI's `languages`); empty: any.
     languages: tuple[str, ...] = ()
+    # Where the language is detected: the one to take instead when the detection is unsure
+    # (UNSURE_LANGUAGE_PROBABILITY). A continuation of a piece passes the piece's: the rest of
+    # a piece may be in another language, but a few seconds of it can also look like one.
+    language_if_unsure: str | None = None
 
     def __post_init__(self) -> None:
         # (The offline API passes what its caller gave: a "0.5" or a 2.5 failed deep in a step.)
@@ -86,6 +90,8 @@ class SamplingParams:
                    best_of=DEFAULT_BEST_OF if best_of is None else best_of, **kwargs)
 
 
+# A detected language less likely than this gives way to SamplingParams.language_if_unsure.
+UNSURE_LANGUAGE_PROBABILITY = 0.5
 # openai/whisper's transcribe(): greedy, then these while the checks fail.
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 NO_SPEECH_THRESHOLD = 0.6

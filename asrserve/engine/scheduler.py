@@ -33,7 +33,7 @@ from asrserve.engine.encoder_cache import EncoderCacheManager
 from asrserve.engine.decode_group import LEVELS_AHEAD_UNDER_LOAD, DecodeGroup
 from asrserve.engine.draft import DraftCounts, attach, can_check, detach
 from asrserve.engine.fallback import is_looping, is_silence, summarize
-from asrserve.engine.request import Attempt, Request, RequestOutput, RequestStatus
+from asrserve.engine.request import UNSURE_LANGUAGE_PROBABILITY, Attempt, Request, RequestOutput, RequestStatus
 from asrserve.engine.scheduler_output import SchedulerOutput
 from asrserve.engine.waiting_queue import WaitingQueue
 from asrserve.engine.word_timing import text_token_times
@@ -167,9 +167,11 @@ class Scheduler:
             if no_speech_probs and no_speech_probs[index] is not None:
                 request.no_speech_prob = no_speech_probs[index]
             if request.needs_language:
-                language = self.tokenizer.language_of(token_id)
+                language, probability = self.tokenizer.language_of(token_id), math.exp(logprob)
+                if probability < UNSURE_LANGUAGE_PROBABILITY and request.sampling_params.language_if_unsure:
+                    language = request.sampling_params.language_if_unsure
                 task_tokens = self.tokenizer.task_tokens(language, request.task, request.sampling_params.timestamps)
-                if request.set_detected_language(language, math.exp(logprob), task_tokens):
+                if request.set_detected_language(language, probability, task_tokens):
                     self.block_manager.trim(request, 0)  # computed again, the previous text first
                 outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
                 continue

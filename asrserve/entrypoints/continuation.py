@@ -15,13 +15,14 @@ where it starts, so segment and word times stay absolute.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from asrserve.audio.chunking import ChunkingStrategy, first_sound
 from asrserve.config import SAMPLE_RATE
+from asrserve.engine.request import SamplingParams
 from asrserve.entrypoints.pieces import PieceResult
 from asrserve.model.tokenizer import WhisperTokenizer
 
@@ -157,6 +158,15 @@ def plan_continuation(
         is_continuation=True,
     )
     return Continuation(seek_s, reason, prompt, rest, result)
+
+
+def continuation_language(requested: str | None, plan: Continuation, params: SamplingParams
+                          ) -> tuple[str | None, SamplingParams]:
+    """A continuation's language and params: the request's language, else detected again (the
+    rest of an English piece, in Spanish, came out in English), the piece's where that is unsure."""
+    if requested is not None or plan.result.language is None:
+        return requested, params
+    return None, replace(params, language_if_unsure=plan.result.language)
 
 
 def speech_finder(strategy: ChunkingStrategy) -> SpeechFinder | None:

@@ -14,16 +14,12 @@ import numpy as np
 from asrserve.audio.chunking import DEFAULT_CHUNKING, ChunkingStrategy, cut_audio
 from asrserve.audio.decode import AudioError, AudioSource, load_audio
 from asrserve.audio.vad import VADUnavailableError
-from asrserve.config import (
-    SAMPLE_RATE,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from asrserve.config import SAMPLE_RATE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from asrserve.engine.engine_core import EngineCore
 from asrserve.engine.request import RequestOutput, SamplingParams
-from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, speech_finder
+from asrserve.entrypoints.continuation import (
+    continuation_language, drop_repeated_words, plan_continuation, speech_finder,
+)
 from asrserve.entrypoints.offline_engine import SharedEngine
 from asrserve.entrypoints.offline_inputs import input_languages, input_sources
 from asrserve.entrypoints.protocol import prompt_with_keywords
@@ -241,9 +237,10 @@ class ASR:
         in_flight = 0
         bar = _progress_bar(count) if progress else None
 
-        def add(job: _Job, piece: _PieceRequest, piece_language: str | None, piece_prompt: str | None) -> None:
+        def add(job: _Job, piece: _PieceRequest, piece_language: str | None, piece_prompt: str | None,
+                piece_params: SamplingParams | None = None) -> None:
             request_id = f"offline-{next(self._next_id)}"
-            shared.add(inbox, request_id, piece.samples, piece_language, task, job.params, piece_prompt)
+            shared.add(inbox, request_id, piece.samples, piece_language, task, piece_params or job.params, piece_prompt)
             requests[request_id] = piece
             job.remaining += 1
 
@@ -275,8 +272,9 @@ class ASR:
                 return 0
             pieces = piece.job.pieces
             pieces.insert(pieces.index(piece.result) + 1, plan.result)
-            add(piece.job, _PieceRequest(piece.job, plan.result, plan.samples, piece.depth + 1),
-                plan.result.language, plan.prompt)
+            language, piece_params = continuation_language(piece.job.language, plan, piece.job.params)
+            add(piece.job, _PieceRequest(piece.job, plan.result, plan.samples, piece.depth + 1), language, plan.prompt,
+                piece_params)
             return 1
 
         try:

@@ -19,7 +19,9 @@ from asrserve.config import SAMPLE_RATE
 from asrserve.engine.async_client import AsyncEngineClient, RequestStream
 from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
-from asrserve.entrypoints.continuation import drop_repeated_words, plan_continuation, settled_length, speech_finder
+from asrserve.entrypoints.continuation import (
+    continuation_language, drop_repeated_words, plan_continuation, settled_length, speech_finder,
+)
 from asrserve.entrypoints.pieces import (
     PieceResult, cap_text_tokens, joiner, long_form_params, spoken_language, transcript_text, written_in,
 )
@@ -160,9 +162,10 @@ class TranscriptionJob:
             added.cancel()
         return True
 
-    def _request(self, samples: np.ndarray, language: str | None, prompt: str | None) -> EngineRequest:
+    def _request(self, samples: np.ndarray, language: str | None, prompt: str | None,
+                 params: SamplingParams | None = None) -> EngineRequest:
         request_id = f"{self._prefix}-{next(self._next_piece)}"
-        return EngineRequest(request_id, samples, language, self.task, self.sampling_params, prompt)
+        return EngineRequest(request_id, samples, language, self.task, params or self.sampling_params, prompt)
 
     async def _continue(
         self, piece: PieceResult, samples: np.ndarray, depth: int, text_shown: bool = False
@@ -180,7 +183,8 @@ class TranscriptionJob:
         plan = plan_it() if self._find_speech is None else await asyncio.to_thread(plan_it)
         if plan is None or self._aborted:
             return None
-        request = self._request(plan.samples, plan.result.language, plan.prompt)
+        language, params = continuation_language(self._requested_language, plan, self.sampling_params)
+        request = self._request(plan.samples, language, plan.prompt, params)
         self.requests.append(request)
         return self.engine.add([request])[0], plan.result, plan.samples
 
