@@ -17,6 +17,7 @@ import websockets
 import websockets.exceptions
 
 from asrserve.config import ServerConfig
+from asrserve.entrypoints.api_server import _cannot_serve_tls
 from tests.server_utils import ServerProcess, free_port
 from tests.test_server import _assert_error
 
@@ -179,11 +180,13 @@ def test_tls_serves_https_and_wss_and_refuses_a_bad_certificate_before_loading(s
     encrypted = str(tmp_path / "encrypted.pem")
     subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:", "-out", encrypted], check=True,
                    capture_output=True)
-    for args in (["--ssl-certfile", str(tmp_path / "missing.pem")], ["--ssl-certfile", key, "--ssl-keyfile", cert],
-                 ["--ssl-certfile", cert, "--ssl-keyfile", encrypted]):
-        started = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "asrserve", "serve", "--port", str(free_port()), *args],
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2, (args, result.stderr)
-        assert "--ssl-" in result.stderr and "Traceback" not in result.stderr, result.stderr
-        assert time.monotonic() - started < 30  # refused before the model loads
+    for certfile, keyfile in ((key, cert), (cert, encrypted)):  # swapped; encrypted: refused, never prompting
+        assert "--ssl-certfile" in _cannot_serve_tls(certfile, keyfile)
+    assert "encrypted" in _cannot_serve_tls(cert, encrypted)
+    started = time.monotonic()
+    missing = ["--ssl-certfile", str(tmp_path / "missing.pem")]
+    result = subprocess.run([sys.executable, "-m", "asrserve", "serve", "--port", str(free_port()), *missing],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--ssl-certfile" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert time.monotonic() - started < 30  # refused before the model loads
