@@ -496,7 +496,8 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_idle_timeout(server):
 
 def test_the_idle_timeout_waits_for_the_transcripts_a_client_waits_for(speech_audio):
     """A client that committed a turn and waits for its transcript sends nothing: the idle
-    timeout closed it mid-decode, and the turn got neither `completed` nor `failed`."""
+    timeout closed it mid-decode, and the turn got neither `completed` nor `failed`. One that
+    stops mid-turn has that turn transcribed before the close."""
     process = ServerProcess(["--dtype", "float32", "--realtime-idle-timeout-s", "0.2"])
     turn = np.concatenate([speech_audio[4], speech_audio[6], speech_audio[15], speech_audio[0]])[: 28 * 16_000]
     try:
@@ -517,6 +518,22 @@ def test_the_idle_timeout_waits_for_the_transcripts_a_client_waits_for(speech_au
         assert "conversation.item.input_audio_transcription.completed" in kinds, kinds
         # then, with nothing left to transcribe, the session is idle
         assert kinds.index("conversation.item.done") < kinds.index("idle_timeout") == len(kinds) - 1, kinds
+
+        # A client that goes quiet mid-turn (a stalled microphone) under server VAD: the open
+        # turn was dropped with its deltas out and no `completed` or `failed`. It is committed
+        # and transcribed before the idle close.
+        async def quiet_mid_turn():
+            async with websockets.connect(url, max_size=None) as socket:
+                await socket.send(json.dumps({"type": "input_audio_buffer.append",
+                                              "audio": base64.b64encode(pcm(speech_audio[4])).decode()}))
+                return await _events_until_closed(socket)
+
+        events = asyncio.run(quiet_mid_turn())
+        kinds = [event["type"] if event["type"] != "error" else event["error"]["code"] for event in events]
+        assert "input_audio_buffer.speech_stopped" not in kinds, kinds  # the turn was still open
+        assert kinds.index("input_audio_buffer.committed") < kinds.index("idle_timeout") == len(kinds) - 1, kinds
+        completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+        assert len(completed["transcript"].split()) >= 3, completed
     finally:
         process.stop()
 

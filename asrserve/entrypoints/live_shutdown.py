@@ -36,7 +36,7 @@ class LiveConnection:
     async def end(self) -> None:
         await self.send(shutting_down().event(None))
         async with self.handling:
-            await self.session.end_for_shutdown()
+            await self.session.finish()
 
 
 async def drain_sessions(connections: list[LiveConnection], timeout_s: float) -> None:

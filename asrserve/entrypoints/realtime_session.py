@@ -330,8 +330,8 @@ class RealtimeSession:
 
     # --- life --------------------------------------------------------------------------------
 
-    async def end_for_shutdown(self) -> None:
-        """The server stops: commits the open turn; returns once every committed item is done."""
+    async def finish(self) -> None:
+        """The session ends (server stopping, client idle): commits the open turn, waits for every item."""
         if self.tasks.closed:  # the client is gone: nothing to tell it
             return
         if self.item is not None and self.audio.end - self.item.start >= MIN_COMMIT_SAMPLES:

@@ -245,8 +245,12 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             except asyncio.TimeoutError:
                 if session.transcribing:  # a client waiting for its transcripts is not idle
                     continue
-                await send(RealtimeError(f"no event for {idle_timeout:g} s: the session is closed",
-                                         code="idle_timeout").event(None))
+                # The turn being spoken when the client went quiet (a stalled microphone) is
+                # committed and transcribed first, as at shutdown: its deltas may have gone out.
+                async with connection.handling:
+                    await session.finish()
+                notice = f"no event for {idle_timeout:g} s: the session is closed (its open turn transcribed first)"
+                await send(RealtimeError(notice, code="idle_timeout").event(None))
                 await close(1000, "idle timeout")
                 return
             if message["type"] == "websocket.disconnect":
