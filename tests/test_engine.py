@@ -581,6 +581,50 @@ def test_the_host_step_benchmark_runs_the_cuda_graph_fill_on_a_cpu():
     assert all(result[name] > 0 for name in ("schedule", "fill", "update", "step_less_sampler"))
 
 
+def test_a_prompt_head_stays_whole_where_the_prompt_is_cut(tiny_en_engine, speech_audio):
+    """prompt_head (a request's keywords) is read in front of the prompt. Where the two overrun
+    the 223 tokens a decode reads, or a long prefix leaves less room, the prompt's earliest
+    tokens give way and the head stays whole; they were cut first, so a long prompt (or a
+    continuation's text) dropped the keywords without a word."""
+    tokenizer = tiny_en_engine.tokenizer
+    head = tokenizer.encode(" Zyntri Qix, Stella")
+    word = tokenizer.encode(" word")
+    assert len(word) == 1
+    for prefix_len, room in ((0, 223), (224, 448 - 224 - 2 - 1 - 32)):  # <|startoftranscript|> <|notimestamps|>
+        request_id = f"head-{prefix_len}"
+        tiny_en_engine.add_request(request_id, speech_audio[0], prompt=" ".join(["word"] * 400),
+                                   prompt_head="  Zyntri Qix, Stella ", prefix=word * prefix_len)
+        tokens = tiny_en_engine.scheduler.requests[request_id].prompt_token_ids
+        previous = tokens[1:tokens.index(tokenizer.special.sot)]
+        assert tokens[0] == tokenizer.special.sot_prev
+        assert previous == head + word * (room - len(head)), previous[:12]
+        run_to_completion(tiny_en_engine)
+    # A head alone, and the head's own first tokens where it is longer than the room.
+    tiny_en_engine.add_request("head-alone", speech_audio[0], prompt_head="Zyntri Qix, Stella")
+    tokens = tiny_en_engine.scheduler.requests["head-alone"].prompt_token_ids
+    assert tokens[1:tokens.index(tokenizer.special.sot)] == head
+    tiny_en_engine.add_request("head-long", speech_audio[0], prompt="last", prompt_head="first " + "word " * 300)
+    tokens = tiny_en_engine.scheduler.requests["head-long"].prompt_token_ids
+    previous = tokens[1:tokens.index(tokenizer.special.sot)]
+    assert len(previous) == 223 and previous[0] == tokenizer.encode(" first")[0] and previous[-1] == tokenizer.encode(" last")[0]
+    run_to_completion(tiny_en_engine)
+    with pytest.raises(InvalidRequestError, match="keywords"):
+        tiny_en_engine.add_request("head-surrogate", speech_audio[0], prompt_head="Zyntri \ud800")
+    assert_idle_and_clean(tiny_en_engine)
+
+
+def test_fit_prompt_keeps_the_head_and_the_prompts_last_tokens():
+    from asrserve.model.tokenizer import fit_prompt
+
+    head, prompt = [1, 2, 3], [10, 11, 12, 13, 14]
+    assert fit_prompt(head, prompt, 8) == head + prompt
+    assert fit_prompt(head, prompt, 6) == [1, 2, 3, 12, 13, 14]
+    assert fit_prompt([1, 2, 3, 4, 5, 6], prompt, 6) == [1, 2, 3, 12, 13, 14]  # each at least half
+    assert fit_prompt([1, 2, 3, 4, 5, 6], [10], 4) == [1, 2, 3, 10]
+    assert fit_prompt([], prompt, 2) == [13, 14] and fit_prompt(head, [], 2) == [1, 2]
+    assert fit_prompt(head, prompt, 0) == []
+
+
 def test_a_full_prompt_beside_a_full_prefix_leaves_room_to_decode(tiny_en_engine, speech_audio):
     """A prompt of 223 tokens and a prefix of 224 (a live turn's text so far, with a long
     session prompt) passed their own checks but not the 448-token context together: the step

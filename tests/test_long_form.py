@@ -240,15 +240,17 @@ class _LocalEngine:
         self.core = core
         self.streams: dict[str, RequestStream] = {}
         self.added: list[str] = []
+        self.prompt_heads: list[str | None] = []
 
     def add(self, requests):
         streams = []
         for request in requests:
             self.core.add_request(
                 request.request_id, request.audio, request.language, request.task, request.sampling_params,
-                request.prompt,
+                request.prompt, prompt_head=request.prompt_head,
             )
             self.added.append(request.request_id)
+            self.prompt_heads.append(request.prompt_head)
             streams.append(self.streams.setdefault(request.request_id, RequestStream(request.request_id)))
         return streams
 
@@ -294,10 +296,11 @@ def test_continuations_are_freed_when_the_job_finishes_or_is_aborted(tiny_en_eng
     core = tiny_en_engine
     params = SamplingParams.transcription()
 
-    async def scenario(abort_after: int | None):
+    async def scenario(abort_after: int | None, prompt_head: str | None = None):
         engine = _LocalEngine(core)
         stepper = asyncio.create_task(engine.run())
-        job = TranscriptionJob(engine, core.tokenizer, _engine_pieces(audio), None, "transcribe", params, None)
+        job = TranscriptionJob(engine, core.tokenizer, _engine_pieces(audio), None, "transcribe", params, None,
+                               prompt_head=prompt_head)
         try:
             if abort_after is None:
                 text = await job.run()
@@ -321,10 +324,11 @@ def test_continuations_are_freed_when_the_job_finishes_or_is_aborted(tiny_en_eng
     assert not core.scheduler.requests and not engine.streams
     assert min(_kept_in_order(passages, text)) >= 0.5
 
-    _, engine, job = asyncio.run(scenario(num_pieces + 1))
+    _, engine, job = asyncio.run(scenario(num_pieces + 1, prompt_head="Stella"))
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
     assert not core.scheduler.requests
     assert len(engine.added) == len(job.requests)  # nothing was submitted after the abort
+    assert engine.prompt_heads == ["Stella"] * len(engine.added)  # the keywords go with every piece and continuation
 
 
 # --- whole recordings ----------------------------------------------------------------------

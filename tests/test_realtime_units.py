@@ -153,13 +153,13 @@ def test_session_update_takes_openais_languages_keywords_and_delay():
     config = SessionConfig(model="base").updated({"audio": {"input": {"transcription": {
         "languages": ["German", "", "fr"], "keywords": ["Leichenhalle", "Zyntri  Qix"], "prompt": "Ein Satz."}}}})
     assert config.languages == ("de", "fr") and config.keywords == ("Leichenhalle", "Zyntri  Qix")
-    assert config.decode_prompt == "Leichenhalle, Zyntri Qix Ein Satz."
+    assert config.prompt_head == "Leichenhalle, Zyntri Qix" and config.prompt == "Ein Satz."
     echoed = config.as_session("sess_1")["audio"]["input"]["transcription"]
     assert echoed["languages"] == ["de", "fr"] and echoed["keywords"] == ["Leichenhalle", "Zyntri  Qix"]
     kept = config.updated({"audio": {"input": {"transcription": {"language": "fr"}}}})
     assert kept.languages == ("de", "fr") and kept.language == "fr"  # only what an update names changes
     cleared = kept.updated({"audio": {"input": {"transcription": {"languages": None, "keywords": []}}}})
-    assert cleared.languages == cleared.keywords == () and cleared.decode_prompt == "Ein Satz."
+    assert cleared.languages == cleared.keywords == () and cleared.prompt_head is None
     delayed = config.updated({"audio": {"input": {"transcription": {"delay": "low"}}}})
     assert delayed.delay == "low" and delayed.as_session("s")["audio"]["input"]["transcription"]["delay"] == "low"
     param = "session.audio.input.transcription"

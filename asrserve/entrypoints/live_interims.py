@@ -44,9 +44,9 @@ async def interim_loop(session: RealtimeSession) -> None:
             try:
                 result = await live_decode.decode(
                     session.engine, session.tokenizer, session.audio.slice(segment.start, end),
-                    session.config.language, session.config.decode_prompt, segment.stable,
+                    session.config.language, session.config.prompt, segment.stable,
                     live_decode.interim_params(session.config.languages),
-                    previous=segment.previous,
+                    previous=segment.previous, prompt_head=session.config.prompt_head,
                 )
             except EngineDeadError:
                 return  # the item's final decode reports it (its `failed` event), once

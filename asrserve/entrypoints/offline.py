@@ -22,7 +22,7 @@ from asrserve.entrypoints.continuation import (
 )
 from asrserve.entrypoints.offline_engine import SharedEngine
 from asrserve.entrypoints.offline_inputs import input_languages, input_sources
-from asrserve.entrypoints.protocol import prompt_with_keywords
+from asrserve.entrypoints.protocol import keywords_text
 from asrserve.entrypoints.pieces import (
     PieceResult, cap_text_tokens, decode_to_the_end, long_form_params, spoken_language, transcript_text,
 )
@@ -204,7 +204,7 @@ class ASR:
         languages, keywords = languages or (), keywords or ()  # (None: none, as for language and prompt)
         if isinstance(keywords, str) or not all(isinstance(keyword, str) for keyword in keywords):
             raise InvalidRequestError("keywords must be a list of words or phrases")
-        prompt = prompt_with_keywords(prompt, keywords)
+        prompt_head = keywords_text(keywords)  # in front of every piece's prompt, kept whole
         if max_in_flight is not None and (not isinstance(max_in_flight, numbers.Integral) or max_in_flight < 0):
             raise InvalidRequestError(f"max_in_flight must be a positive integer (0: the default), got {max_in_flight!r}")
         sources = input_sources(sources, language)
@@ -240,7 +240,8 @@ class ASR:
         def add(job: _Job, piece: _PieceRequest, piece_language: str | None, piece_prompt: str | None,
                 piece_params: SamplingParams | None = None) -> None:
             request_id = f"offline-{next(self._next_id)}"
-            shared.add(inbox, request_id, piece.samples, piece_language, task, piece_params or job.params, piece_prompt)
+            shared.add(inbox, request_id, piece.samples, piece_language, task, piece_params or job.params, piece_prompt,
+                       prompt_head=prompt_head)
             requests[request_id] = piece
             job.remaining += 1
 

@@ -19,10 +19,10 @@ class SharedEngine:
         self._lock = threading.RLock()
         self._inboxes: dict[str, deque[RequestOutput]] = {}  # request id -> its caller's outputs
 
-    def add(self, inbox: deque[RequestOutput], request_id: str, *args) -> None:
+    def add(self, inbox: deque[RequestOutput], request_id: str, *args, **kwargs) -> None:
         """EngineCore.add_request, the outputs of which go to `inbox`."""
         with self._lock:
-            self.engine.add_request(request_id, *args)
+            self.engine.add_request(request_id, *args, **kwargs)
             self._inboxes[request_id] = inbox
 
     def step_for(self, inbox: deque[RequestOutput]) -> None:

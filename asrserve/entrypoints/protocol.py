@@ -102,15 +102,18 @@ class TranscriptionRequest(BaseModel):
             request = cls.model_validate(values)
         except ValidationError as error:
             raise validation_error(error.errors()) from None
-        request.prompt = prompt_with_keywords(request.prompt, request.keywords)
         return request
 
+    @property
+    def prompt_head(self) -> str | None:
+        return keywords_text(self.keywords)
 
-def prompt_with_keywords(prompt: str | None, keywords: Sequence[str]) -> str | None:
-    """The text the decoder is conditioned on: OpenAI's keywords as the list its guide asks a
-    Whisper prompt to be ("ZyntriQix, Digique Plus"), then the prompt, nearest the audio."""
-    keywords = [" ".join(keyword.split()) for keyword in keywords]
-    return " ".join(filter(None, [", ".join(filter(None, keywords)), prompt])) or None
+
+def keywords_text(keywords: Sequence[str]) -> str | None:
+    """OpenAI's keywords as the list its guide asks a Whisper prompt to be ("ZyntriQix, Digique
+    Plus"): read in front of the prompt (the prompt nearest the audio), and kept whole where
+    the prompt is cut to fit (EngineCore.add_request's prompt_head)."""
+    return ", ".join(filter(None, (" ".join(keyword.split()) for keyword in keywords))) or None
 
 
 def validation_error(errors) -> APIError:

@@ -20,7 +20,7 @@ import numpy as np
 from asrserve.audio.vad import DEFAULT_THRESHOLD
 from asrserve.config import SAMPLE_RATE
 from asrserve.entrypoints.live_decode import STABLE_LOGPROB_BY_DELAY
-from asrserve.entrypoints.protocol import prompt_with_keywords
+from asrserve.entrypoints.protocol import keywords_text
 from asrserve.entrypoints.upload import MAX_FIELD_BYTES as MAX_PROMPT_BYTES
 from asrserve.errors import cut, shown
 from asrserve.model.languages import normalize_language
@@ -81,8 +81,8 @@ class SessionConfig:
     delay: str | None = None  # OpenAI's: how long text waits before it is sent (live_decode.STABLE_LOGPROB_BY_DELAY)
 
     @property
-    def decode_prompt(self) -> str | None:
-        return prompt_with_keywords(self.prompt, self.keywords)
+    def prompt_head(self) -> str | None:  # (EngineRequest.prompt_head)
+        return keywords_text(self.keywords)
 
     @property
     def input_rate(self) -> int:

@@ -258,8 +258,8 @@ class RealtimeSession:
             return
         params = live_decode.final_params(bool(segment.stable), self.config.languages)
         segment.final = self.tasks.spawn(live_decode.decode(
-            self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language,
-            self.config.decode_prompt, segment.stable, params, final=True, previous=segment.previous,
+            self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language, self.config.prompt,
+            segment.stable, params, final=True, previous=segment.previous, prompt_head=self.config.prompt_head,
         ))
         self.options.finals.track(segment.final)
 

@@ -179,6 +179,7 @@ async def _run_job(
         job = TranscriptionJob(
             state.engine, state.tokenizer, prepared, job_params.language, job_params.task, job_params.sampling,
             job_params.request.max_completion_tokens, job_params.request.prompt, chunking=job_params.chunking,
+            prompt_head=job_params.request.prompt_head,
         )
     except EngineDeadError as error:
         prepared.cancel()  # the rest of the file need not be read

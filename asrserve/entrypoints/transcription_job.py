@@ -79,6 +79,7 @@ class TranscriptionJob:
         prompt: str | None = None,
         seek_continuation: bool = True,
         chunking: ChunkingStrategy | None = None,
+        prompt_head: str | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -87,6 +88,7 @@ class TranscriptionJob:
         self._requested_language = language  # every piece's request takes this one
         self.task = task
         self.prompt = prompt
+        self.prompt_head = prompt_head  # the request's keywords: in front of every prompt, kept whole
         self.max_completion_tokens = max_completion_tokens
         self.seek_continuation = seek_continuation
         self._find_speech = speech_finder(chunking) if chunking is not None else None  # (None: by energy)
@@ -165,7 +167,8 @@ class TranscriptionJob:
     def _request(self, samples: np.ndarray, language: str | None, prompt: str | None,
                  params: SamplingParams | None = None) -> EngineRequest:
         request_id = f"{self._prefix}-{next(self._next_piece)}"
-        return EngineRequest(request_id, samples, language, self.task, params or self.sampling_params, prompt)
+        return EngineRequest(request_id, samples, language, self.task, params or self.sampling_params, prompt,
+                             prompt_head=self.prompt_head)
 
     async def _continue(
         self, piece: PieceResult, samples: np.ndarray, depth: int, text_shown: bool = False

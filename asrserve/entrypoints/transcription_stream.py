@@ -87,8 +87,10 @@ async def sse_events(
                 event["logprobs"] = logprob_entries(state, job.shown_logprobs[sent:])
                 sent = len(job.shown_logprobs)
             yield sse(event)
-        # Each decode reads a window's 1500 audio positions and a prompt (the request's, at most 223 tokens).
-        prompt_tokens = state.tokenizer.num_prompt_tokens(job_params.request.prompt)
+        # Each decode reads a window's 1500 audio positions and a prompt (the request's keywords
+        # and prompt, at most 223 tokens).
+        request = job_params.request
+        prompt_tokens = state.tokenizer.num_prompt_tokens(request.prompt, request.prompt_head)
         usage = usage_tokens(job.num_decodes_shown * 1500, job.num_decodes_shown * prompt_tokens, job.num_output_tokens)
         done = {"type": "transcript.text.done", "text": job.text, "usage": usage}
         if include_logprobs:

@@ -163,9 +163,17 @@ class WhisperTokenizer:
             tail *= 4  # tokens of many characters each (runs of symbols)
         return self.encode(text)
 
-    def num_prompt_tokens(self, prompt: str | None) -> int:
-        """The tokens of a prompt that a decode reads (its last MAX_PROMPT_TOKENS)."""
-        return min(len(self.prompt_tokens(prompt)), MAX_PROMPT_TOKENS) if prompt and prompt.strip() else 0
+    def head_tokens(self, head: str) -> list[int]:
+        """Text read in front of a prompt and kept whole when the prompt is cut (a request's
+        keywords), as previous text: its first MAX_PROMPT_TOKENS."""
+        return self.encode(" " + head.strip()[:PROMPT_TAIL_CHARS])[:MAX_PROMPT_TOKENS]
+
+    def num_prompt_tokens(self, prompt: str | None, head: str | None = None) -> int:
+        """The tokens of a prompt (and of the head read in front of it) that a decode reads."""
+        return len(fit_prompt(
+            self.head_tokens(head) if head and head.strip() else [],
+            self.prompt_tokens(prompt) if prompt and prompt.strip() else [], MAX_PROMPT_TOKENS,
+        ))
 
     def task_tokens(self, language: str, task: str, timestamps: bool = False) -> list[int]:
         task_id = self.special.translate if task == "translate" else self.special.transcribe
@@ -182,6 +190,18 @@ class WhisperTokenizer:
 
     def language_of(self, token_id: int) -> str:
         return self._language_by_id[token_id]
+
+
+def fit_prompt(head: list[int], prompt: list[int], room: int) -> list[int]:
+    """At most `room` tokens of previous text: the head (a request's keywords) first, whole
+    unless it and the prompt together overrun the room, where the head keeps at least half of
+    it, then the prompt's last tokens (those nearest the audio, as Whisper keeps them)."""
+    if room <= 0:
+        return []
+    if len(head) + len(prompt) <= room:
+        return head + prompt
+    head = head[: max(room - len(prompt), room // 2)]
+    return head + prompt[len(prompt) - (room - len(head)):] if room > len(head) else head
 
 
 @cache
