@@ -151,6 +151,10 @@ class SchedulerConfig:
     # While live sessions' decodes run, file requests are admitted at most one per this many
     # seconds (engine.waiting_queue): each brings an encoder forward into the live decodes' steps.
     batch_admit_interval_s: float = 0.5
+    # While a live turn's final decode runs, file sequences sit out its steps, at most half the
+    # time (engine.waiting_queue). None: on CPU, where a step's time grows with its rows (each
+    # reads its audio's whole cross-attention K/V); not on CUDA, where rows beside it cost little.
+    finals_alone: bool | None = None
 
     def __post_init__(self) -> None:
         if self.batch_admit_interval_s < 0:
@@ -178,6 +182,8 @@ def resolve_scheduler(config: SchedulerConfig, device: "torch.device") -> Schedu
         config = replace(config, encoder_cache_size=config.max_encoder_batch)
     if config.interactive_encoder_batch is None:
         config = replace(config, interactive_encoder_batch=1 if device.type == "cpu" else config.max_encoder_batch)
+    if config.finals_alone is None:
+        config = replace(config, finals_alone=device.type == "cpu")
     return config
 
 

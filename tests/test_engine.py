@@ -544,6 +544,9 @@ def test_max_num_seqs_defaults_to_64_on_cpu(tiny_en_engine):
     cuda = resolve_scheduler(SchedulerConfig(max_encoder_batch=16), torch.device("cuda"))
     assert (cuda.max_num_seqs, cuda.interactive_encoder_batch, cuda.encoder_cache_size) == (256, 16, 16)
     assert resolve_scheduler(SchedulerConfig(interactive_encoder_batch=2), torch.device("cpu")).interactive_encoder_batch == 2
+    # file sequences sit out a final decode's steps on CPU, not on CUDA (unless told)
+    assert (cpu.finals_alone, cuda.finals_alone) == (True, False)
+    assert resolve_scheduler(SchedulerConfig(finals_alone=False), torch.device("cpu")).finals_alone is False
 
 
 def test_writing_cross_kv_zeros_the_slots_rounding_positions():

@@ -327,6 +327,34 @@ def test_finals_back_to_back_hold_other_work_back_at_most_a_second():
     assert queue.next_admissible(interactive_running=True).request_id == "interim2"
 
 
+def test_file_sequences_sit_out_a_finals_steps_at_most_half_the_time():
+    """finals_alone: while a final decodes, running file sequences sit out its steps (on a CPU
+    each of their rows makes every step longer), for at most MAX_URGENT_HOLD_S in a row; after
+    sitting out they run at least as long, so finals back to back take at most half the time."""
+    from asrserve.engine.waiting_queue import MAX_URGENT_HOLD_S
+
+    now = [100.0]
+    queue = WaitingQueue(batch_admit_interval_s=0.5, clock=lambda: now[0])
+    assert not queue.batch_sits_out(urgent_running=False)
+    assert queue.batch_sits_out(urgent_running=True)
+    now[0] += 0.3
+    assert queue.batch_sits_out(urgent_running=True)
+    now[0] += 0.1
+    assert not queue.batch_sits_out(urgent_running=False)  # the final is done: 0.4 s sat out
+    now[0] += 0.2
+    assert not queue.batch_sits_out(urgent_running=True)  # the next final: file work runs 0.4 s first
+    now[0] += 0.2
+    assert queue.batch_sits_out(urgent_running=True)
+    now[0] += MAX_URGENT_HOLD_S - 0.01
+    assert queue.batch_sits_out(urgent_running=True)
+    now[0] += 0.01
+    assert not queue.batch_sits_out(urgent_running=True)  # a second in a row at most ...
+    now[0] += MAX_URGENT_HOLD_S - 0.01
+    assert not queue.batch_sits_out(urgent_running=True)  # ... then as long running
+    now[0] += 0.01
+    assert queue.batch_sits_out(urgent_running=True)
+
+
 def test_a_final_decode_waits_behind_other_finals_only():
     """An urgent request (a live turn's final decode) goes ahead of the interims queued before
     it, behind the finals queued before it, and while one decodes only finals are admitted; a

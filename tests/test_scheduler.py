@@ -199,6 +199,32 @@ def test_new_requests_join_running_ones_in_one_decoder_step():
     assert [r.num_new_tokens for r in output.scheduled] == [1, 2]  # a's last token, b's prompt
 
 
+@pytest.mark.parametrize("finals_alone", [True, False])
+def test_file_sequences_sit_out_a_final_decodes_steps_where_told(finals_alone):
+    """finals_alone (CPU's default): while a live turn's final decode runs, running file
+    sequences (and their fallback samples) sit out its steps; interims and the final decode.
+    Once it is done they decode again, and they lose nothing meanwhile."""
+    scheduler = make_scheduler(max_encoder_batch=4)
+    scheduler.config.finals_alone = finals_alone
+    scheduler.add(make_request("file", max_tokens=20))
+    step(scheduler)
+    for request_id, urgent in (("interim", False), ("final", True)):
+        request = make_request(request_id, max_tokens=3)
+        request.interactive, request.urgent = True, urgent
+        scheduler.add(request)
+    output, _ = step(scheduler)
+    assert [r.request_id for r in output.scheduled] == ["file", "final"]  # (interims wait behind a final)
+    file = scheduler.requests["file"]
+    tokens = len(file.output_token_ids)
+    output, _ = step(scheduler)
+    assert [r.request_id for r in output.scheduled] == (["final"] if finals_alone else ["file", "final"])
+    assert len(file.output_token_ids) == tokens + (0 if finals_alone else 1)
+    while "final" in scheduler.requests:
+        step(scheduler)
+    output, _ = step(scheduler)
+    assert "file" in [r.request_id for r in output.scheduled] and file.status is RequestStatus.RUNNING
+
+
 def test_waiting_queue_is_not_skipped():
     """If the head of the queue does not fit, nothing behind it jumps ahead (no starvation)."""
     scheduler = make_scheduler(num_blocks=200, block_size=16)  # 105 free once "a" runs

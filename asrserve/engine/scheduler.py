@@ -93,11 +93,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(freed_encoder_ids=self.encoder_cache.take_freed())
-
+        urgent_running = any(r.urgent for r in self.running)
+        sit_out = self.config.finals_alone and self.waiting.batch_sits_out(urgent_running)  # file work (waiting_queue)
         # A sequence let go (preempted: waiting; dropped sibling: aborted) is no longer RUNNING.
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # made room for an older request below
+            if request.status is not RequestStatus.RUNNING or (sit_out and not request.interactive):
+                continue  # made room for an older request below, or sits out
             if not self.block_manager.blocks_to_grow(request):  # most steps: the last block has room
                 output.scheduled.append(request)
                 continue
@@ -124,14 +125,13 @@ class Scheduler:
             request.group.levels_ahead = levels_ahead
         pending = [r for r in primaries if r.group.next_unassigned() is not None]
         for request in sorted(pending, key=lambda r: r.order):
-            while self._can_start_sibling(request):
+            while (request.interactive or not sit_out) and self._can_start_sibling(request):
                 sibling = self._start_sibling(request)
                 output.scheduled.append(sibling)
         interactive_running = any(r.interactive for r in self.running)
         encoder_budget = self.waiting.encoder_budget(interactive_running, self.config)
         if not self.waiting:
             return output
-        urgent_running = any(r.urgent for r in self.running)  # (admissions only, not every step)
         while (
             (request := self.waiting.next_admissible(interactive_running, urgent_running)) is not None
             and len(self.running) < self.config.max_num_seqs

@@ -17,6 +17,11 @@ Latency first, without starving either class:
 - The encoder batch (encoder_budget): while live decodes wait or run, and for LIVE_PAUSE_S
   after, interactive_encoder_batch audios a step (1 on CPU, whose encoder runs one audio after
   another), so a final decode that arrives waits behind at most that many other forwards.
+- With `finals_alone` (on CPU), running file sequences sit out the steps of a final decode
+  (batch_sits_out): a CPU step's time grows with its rows, each of which reads its audio's whole
+  cross-attention K/V, and 30 file rows made each of a final's ~20 steps several times longer.
+  At most MAX_URGENT_HOLD_S in a row, and never more than half the time: after sitting out a
+  while, file sequences run at least as long, so finals back to back starve nothing.
 A preempted request goes back to the front of its own class (an interim: behind the finals).
 """
 
@@ -50,6 +55,8 @@ class WaitingQueue:
         self._last_batch_admission = -float("inf")
         self._held_since: float | None = None  # since when urgent work holds the rest back
         self._live_until = -float("inf")  # the small encoder batch holds until then (LIVE_PAUSE_S)
+        self._sat_out_since: float | None = None  # since when file sequences sit out finals' steps
+        self._batch_runs_until = -float("inf")  # ... and until when they run, having sat out
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.interactive if request.interactive else self.batch
@@ -94,6 +101,19 @@ class WaitingQueue:
         if now < self._live_until and config.interactive_encoder_batch is not None:
             return config.interactive_encoder_batch
         return config.max_encoder_batch
+
+    def batch_sits_out(self, urgent_running: bool) -> bool:
+        """Whether running file sequences sit out this step (finals_alone): while a final decode
+        runs, for at most MAX_URGENT_HOLD_S in a row, then for at least as long they run."""
+        now = self.clock()
+        if urgent_running and now >= self._batch_runs_until:
+            self._sat_out_since = now if self._sat_out_since is None else self._sat_out_since
+            if now - self._sat_out_since < MAX_URGENT_HOLD_S:
+                return True
+        if self._sat_out_since is not None:
+            self._batch_runs_until = now + (now - self._sat_out_since)
+            self._sat_out_since = None
+        return False
 
     def next_admissible(self, interactive_running: bool, urgent_running: bool = False) -> Request | None:
         """The request to admit next, or None if none may be admitted in this step now.
