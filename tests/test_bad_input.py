@@ -218,6 +218,18 @@ def test_malformed_multipart(server, speech, then_good):
     _assert_error(_post(server, content=garbage_headers, headers=headers), 400)
     two = [("file", ("a.wav", speech)), ("file", ("b.wav", speech))]
     _assert_error(_post(server, files=two), 400, "file")
+    # Without its closing boundary the last part was dropped: a 200 in json for an srt request,
+    # or "the form has no 'file' file" for a body cut inside the audio.
+    part = b'--xyz\r\nContent-Disposition: form-data; name="%s"%s\r\n\r\n%s\r\n'
+    audio = part % (b"file", b'; filename="a.wav"', speech)
+    for body in (audio + part % (b"response_format", b"", b"srt"), part % (b"language", b"", b"en") + audio[:5000]):
+        error = _assert_error(_post(server, content=body, headers=headers), 400)
+        assert "closing boundary" in error["message"]
+    assert _post(server, content=audio + b"--xyz--", headers=headers).status_code == 200  # (no CRLF after it)
+    # A boundary longer than the parser takes (RFC 2046: at most 70) was a 500.
+    long_boundary = {"content-type": "multipart/form-data; boundary=" + "b" * 300}
+    body = audio.replace(b"--xyz", b"--" + b"b" * 300) + b"--" + b"b" * 300 + b"--\r\n"
+    assert "malformed" in _assert_error(_post(server, content=body, headers=long_boundary), 400)["message"]
 
 
 def test_a_file_over_the_size_limit_is_413(server, then_good):
@@ -306,6 +318,10 @@ def test_tiny_and_silent_audio_is_a_sane_200(server, then_good):
             assert body["text"] == ""  # silence is judged silence: nothing is made up
             if response_format == "verbose_json":
                 assert body["segments"] == [] and body["duration"] == pytest.approx(seconds, abs=1e-3)
+    # Frames too few to give one 16 kHz sample (10 at 384 kHz) are that short too: they were a
+    # 400 saying the audio had no samples.
+    content = _encode(np.full(10, 0.1, np.float32), 384_000, "WAV")
+    assert _post(server, files={"file": ("short.wav", content)}).json()["text"] == ""
     # Silence that is not zeros: G.711 A-law's idle code (A-law has no zero; it decodes to 8
     # steps of 16-bit PCM), a constant offset of 4 steps, a 16-bit recording's last bit
     # flickering. tiny.en read "you" into the first two.

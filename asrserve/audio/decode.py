@@ -172,8 +172,10 @@ class MonoResampler:
     def finish(self) -> np.ndarray:
         if self.stream is not None:
             self.add(np.zeros(0, np.float32), last=True)
-        if self.length == 0:  # no frames, or too few to give one 16 kHz sample
+        if self.num_frames == 0:
             raise AudioError("audio is empty: it has no samples")
+        if self.length == 0:  # too few frames to give one 16 kHz sample: as short as a 1-sample file
+            return np.zeros(1, np.float32)
         return self.samples[: self.length]
 
 

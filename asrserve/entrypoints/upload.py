@@ -8,8 +8,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from asrserve.entrypoints.protocol import APIError
@@ -104,26 +104,28 @@ async def read_form(
             raise APIError(400, f"the form has more than {MAX_FIELDS} fields")
         form.fields.setdefault(part.name, []).append(part.data.decode("utf-8", "replace"))
 
-    parser = MultipartParser(
-        options[b"boundary"],
-        {
-            "on_part_begin": on_part_begin,
-            "on_header_field": on_header_field,
-            "on_header_value": on_header_value,
-            "on_header_end": on_header_end,
-            "on_part_data": on_part_data,
-            "on_part_end": on_part_end,
-        },
-    )
+    callbacks = {
+        "on_part_begin": on_part_begin,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_part_data": on_part_data,
+        "on_part_end": on_part_end,
+    }
     received = 0
     try:
+        parser = MultipartParser(options[b"boundary"], callbacks)  # (a boundary over 256 bytes raises)
         async for chunk in _chunks(request, idle_timeout_s, min_rate_bytes_s):
             received += len(chunk)
             if received > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large
             parser.write(chunk)
         parser.finalize()
-    except MultipartParseError as error:
+        if parser.state is not MultipartState.END:
+            # A body cut short (a broken client or proxy, a short Content-Length): its last part,
+            # unterminated, would be dropped without a word (a response_format, or the audio).
+            raise FormParserError("it ends before its closing boundary")
+    except FormParserError as error:
         raise APIError(400, f"malformed multipart/form-data body: {error}") from None
     except ClientDisconnect:
         raise ClientGone() from None
