@@ -225,6 +225,31 @@ def test_file_sequences_sit_out_a_final_decodes_steps_where_told(finals_alone):
     assert "file" in [r.request_id for r in output.scheduled] and file.status is RequestStatus.RUNNING
 
 
+def test_file_sequences_sit_out_from_when_they_run_beside_a_final():
+    """The sit-out's second counts from when file work runs beside a final: a final alone for
+    seconds (live sessions only) used it up, and the first file request admitted beside it did
+    not sit out at all."""
+    scheduler = make_scheduler(max_encoder_batch=4)
+    scheduler.config.finals_alone = True
+    now = [0.0]
+    scheduler.waiting.clock = lambda: now[0]
+    final = make_request("final", max_tokens=200)
+    final.interactive = final.urgent = True
+    scheduler.add(final)
+    scheduler.add(make_request("file", max_tokens=20))
+    admitted = None
+    for _ in range(40):
+        now[0] += 0.05
+        output, _ = step(scheduler)
+        if "file" in [r.request_id for r in output.encoder_requests]:
+            admitted = now[0]  # held while the final decodes, at most MAX_URGENT_HOLD_S
+            break
+    assert admitted is not None and admitted > 1.0
+    now[0] += 0.05
+    output, _ = step(scheduler)
+    assert [r.request_id for r in output.scheduled] == ["final"]
+
+
 def test_waiting_queue_is_not_skipped():
     """If the head of the queue does not fit, nothing behind it jumps ahead (no starvation)."""
     scheduler = make_scheduler(num_blocks=200, block_size=16)  # 105 free once "a" runs

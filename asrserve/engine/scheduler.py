@@ -93,8 +93,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(freed_encoder_ids=self.encoder_cache.take_freed())
-        urgent_running = any(r.urgent for r in self.running)
-        sit_out = self.config.finals_alone and self.waiting.batch_sits_out(urgent_running)  # file work (waiting_queue)
+        urgent_running, file_running = any(r.urgent for r in self.running), not all(r.interactive for r in self.running)
+        sit_out = self.config.finals_alone and self.waiting.batch_sits_out(urgent_running and file_running)
         # A sequence let go (preempted: waiting; dropped sibling: aborted) is no longer RUNNING.
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or (sit_out and not request.interactive):
