@@ -174,9 +174,7 @@ class MonoResampler:
             self.add(np.zeros(0, np.float32), last=True)
         if self.num_frames == 0:
             raise AudioError("audio is empty: it has no samples")
-        if self.length == 0:  # too few frames to give one 16 kHz sample: as short as a 1-sample file
-            return np.zeros(1, np.float32)
-        return self.samples[: self.length]
+        return self.samples[: self.length] if self.length else np.zeros(1, np.float32)  # (< 1 sample at 16 kHz)
 
 
 class _ProgressFailed(Exception):
