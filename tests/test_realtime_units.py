@@ -335,24 +335,26 @@ def test_file_sequences_sit_out_a_finals_steps_at_most_half_the_time():
 
     now = [100.0]
     queue = WaitingQueue(batch_admit_interval_s=0.5, clock=lambda: now[0])
-    assert not queue.batch_sits_out(urgent_running=False)
-    assert queue.batch_sits_out(urgent_running=True)
+    file, final = _request("file", False), _request("final", True, urgent=True)
+    assert not queue.batch_sits_out([final])  # no file work beside it
+    assert not queue.batch_sits_out([file])
+    assert queue.batch_sits_out([final, file])
     now[0] += 0.3
-    assert queue.batch_sits_out(urgent_running=True)
+    assert queue.batch_sits_out([final, file])
     now[0] += 0.1
-    assert not queue.batch_sits_out(urgent_running=False)  # the final is done: 0.4 s sat out
+    assert not queue.batch_sits_out([file])  # the final is done: 0.4 s sat out
     now[0] += 0.2
-    assert not queue.batch_sits_out(urgent_running=True)  # the next final: file work runs 0.4 s first
+    assert not queue.batch_sits_out([final, file])  # the next final: file work runs 0.4 s first
     now[0] += 0.2
-    assert queue.batch_sits_out(urgent_running=True)
+    assert queue.batch_sits_out([final, file])
     now[0] += MAX_URGENT_HOLD_S - 0.01
-    assert queue.batch_sits_out(urgent_running=True)
+    assert queue.batch_sits_out([final, file])
     now[0] += 0.01
-    assert not queue.batch_sits_out(urgent_running=True)  # a second in a row at most ...
+    assert not queue.batch_sits_out([final, file])  # a second in a row at most ...
     now[0] += MAX_URGENT_HOLD_S - 0.01
-    assert not queue.batch_sits_out(urgent_running=True)  # ... then as long running
+    assert not queue.batch_sits_out([final, file])  # ... then as long running
     now[0] += 0.01
-    assert queue.batch_sits_out(urgent_running=True)
+    assert queue.batch_sits_out([final, file])
 
 
 def test_a_final_decode_waits_behind_other_finals_only():

@@ -144,10 +144,8 @@ class EngineCore:
             raise InvalidRequestError(f"{what} must be at most half the context of text tokens")
 
     def _prompt_tokens(self, text: str | None, what: str = "the prompt", head: bool = False) -> list[int]:
-        if not text or not text.strip():
-            return []
         try:
-            return self.tokenizer.head_tokens(text) if head else self.tokenizer.prompt_tokens(text)
+            return (self.tokenizer.head_tokens if head else self.tokenizer.prompt_tokens)(text or "")
         except UnicodeEncodeError:  # a lone surrogate, which JSON's "\ud800" escape can carry
             raise InvalidRequestError(f"{what} is not valid text: it holds a lone UTF-16 surrogate") from None
 

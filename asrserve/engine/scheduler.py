@@ -93,8 +93,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(freed_encoder_ids=self.encoder_cache.take_freed())
-        urgent_running, file_running = any(r.urgent for r in self.running), not all(r.interactive for r in self.running)
-        sit_out = self.config.finals_alone and self.waiting.batch_sits_out(urgent_running and file_running)
+        sit_out = self.config.finals_alone and self.waiting.batch_sits_out(self.running)  # file work (waiting_queue)
         # A sequence let go (preempted: waiting; dropped sibling: aborted) is no longer RUNNING.
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or (sit_out and not request.interactive):
@@ -132,6 +131,7 @@ class Scheduler:
         encoder_budget = self.waiting.encoder_budget(interactive_running, self.config)
         if not self.waiting:
             return output
+        urgent_running = any(r.urgent for r in self.running)  # (admissions only, not every step)
         while (
             (request := self.waiting.next_admissible(interactive_running, urgent_running)) is not None
             and len(self.running) < self.config.max_num_seqs

@@ -102,11 +102,15 @@ class WaitingQueue:
             return config.interactive_encoder_batch
         return config.max_encoder_batch
 
-    def batch_sits_out(self, urgent_running: bool) -> bool:
-        """Whether running file sequences sit out this step (finals_alone): while a final decode
-        runs, for at most MAX_URGENT_HOLD_S in a row, then for at least as long they run."""
+    def batch_sits_out(self, running: list[Request]) -> bool:
+        """Whether the running file sequences sit out this step (finals_alone): while a final
+        decode runs beside them, for at most MAX_URGENT_HOLD_S in a row, then for at least as
+        long they run."""
+        beside_final = any(r.urgent for r in running) and not all(r.interactive for r in running)
+        if not beside_final and self._sat_out_since is None:
+            return False  # (most steps: no clock read)
         now = self.clock()
-        if urgent_running and now >= self._batch_runs_until:
+        if beside_final and now >= self._batch_runs_until:
             self._sat_out_since = now if self._sat_out_since is None else self._sat_out_since
             if now - self._sat_out_since < MAX_URGENT_HOLD_S:
                 return True

@@ -153,7 +153,10 @@ class WhisperTokenizer:
         Only the last MAX_PROMPT_TOKENS are ever read, so a long prompt is tokenized from its
         end: whole, a 64 KB prompt took the engine ~80 ms of every request that carried it (a
         live session's every decode). The tokens next to the cut can differ from the whole
-        text's; hundreds of tokens after it (all that is returned) are the whole text's."""
+        text's; hundreds of tokens after it (all that is returned) are the whole text's. Blank
+        text has none."""
+        if not prompt.strip():
+            return []
         text = " " + prompt.strip()
         tail = PROMPT_TAIL_CHARS
         while len(text) > tail:
@@ -165,15 +168,14 @@ class WhisperTokenizer:
 
     def head_tokens(self, head: str) -> list[int]:
         """Text read in front of a prompt and kept whole when the prompt is cut (a request's
-        keywords), as previous text: its first MAX_PROMPT_TOKENS."""
+        keywords), as previous text: its first MAX_PROMPT_TOKENS (none for blank text)."""
+        if not head.strip():
+            return []
         return self.encode(" " + head.strip()[:PROMPT_TAIL_CHARS])[:MAX_PROMPT_TOKENS]
 
     def num_prompt_tokens(self, prompt: str | None, head: str | None = None) -> int:
         """The tokens of a prompt (and of the head read in front of it) that a decode reads."""
-        return len(fit_prompt(
-            self.head_tokens(head) if head and head.strip() else [],
-            self.prompt_tokens(prompt) if prompt and prompt.strip() else [], MAX_PROMPT_TOKENS,
-        ))
+        return len(fit_prompt(self.head_tokens(head or ""), self.prompt_tokens(prompt or ""), MAX_PROMPT_TOKENS))
 
     def task_tokens(self, language: str, task: str, timestamps: bool = False) -> list[int]:
         task_id = self.special.translate if task == "translate" else self.special.transcribe
