@@ -676,3 +676,54 @@ def test_a_bug_mid_stream_ends_the_stream_with_an_error_event(caplog):
     assert error["type"] == "server_error" and "bug" in error["message"] and job.aborted
     assert error["code"] == "internal_error" and outcome.failed_status == 500
     assert "req_stream_with_a_bug" in caplog.text
+
+
+def test_the_idle_watch_releases_once_after_work_and_a_quiet_period():
+    from asrserve.entrypoints.server_state import IdleWatch
+
+    watch = IdleWatch((0, 0))
+    assert not watch.should_release((0, 0), idle=True)  # no work yet: nothing to give back
+    assert not watch.should_release((1, 0), idle=False)  # a transcription came in
+    assert not watch.should_release((1, 0), idle=False)  # still in flight
+    assert watch.should_release((1, 0), idle=True)  # a quiet period after it
+    assert not watch.should_release((1, 0), idle=True)  # once
+    assert not watch.should_release((1, 1), idle=True)  # a live decode came and went this period
+    assert watch.should_release((1, 1), idle=True)
+    assert not watch.should_release((2, 3), idle=True)  # a short request between two looks
+    assert not watch.should_release((3, 3), idle=True)  # and another: still not quiet
+    assert watch.should_release((3, 3), idle=True)
+
+
+def test_the_server_process_hands_freed_memory_back_once_idle(monkeypatch):
+    """The API process calls malloc_trim after work, once it is idle, and not while work is in
+    flight (its preprocessing and answering threads' arenas otherwise keep their high-water
+    marks, burst after burst)."""
+    from asrserve.entrypoints import server_state as module
+
+    releases = []
+    monkeypatch.setattr(module, "IDLE_RELEASE_AFTER_S", 0.01)
+    monkeypatch.setattr(module, "return_freed_memory", lambda: releases.append(time.monotonic()))
+    state = module.ServerState(ServerConfig(), EngineConfig())
+
+    async def scenario() -> list[int]:
+        counts = []
+        task = asyncio.create_task(state.release_memory_when_idle())
+        await asyncio.sleep(0.3)
+        counts.append(len(releases))  # started, no work
+        state.num_admitted += 1
+        state.num_waiting += 1
+        await asyncio.sleep(0.3)
+        counts.append(len(releases))  # a request in flight
+        state.num_waiting -= 1
+        await asyncio.sleep(0.3)
+        counts.append(len(releases))  # it ended: one release
+        state.engine.num_added += 1  # a live session's decode, already done
+        await asyncio.sleep(0.3)
+        counts.append(len(releases))
+        task.cancel()
+        return counts
+
+    try:
+        assert asyncio.run(scenario()) == [0, 0, 1, 2]
+    finally:
+        state.pool.shutdown()

@@ -62,6 +62,7 @@ class AsyncEngineClient:
         self.on_stats: Callable[[EngineStats], None] | None = None
         self.on_abort: Callable[[int], None] | None = None  # called with how many were aborted
         self._streams: dict[str, RequestStream] = {}
+        self.num_added = 0  # requests ever added: the server's idle watch reads it
         self._last_progress = time.monotonic()  # the engine's last message, or work arriving when it had none
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._process: multiprocessing.Process | None = None
@@ -122,6 +123,7 @@ class AsyncEngineClient:
             assert request.request_id not in self._streams, request.request_id
             stream = self._streams[request.request_id] = RequestStream(request.request_id)
             streams.append(stream)
+        self.num_added += len(requests)
         message: list[EngineRequest] = []
         size = 0
         for request in requests:

@@ -16,6 +16,7 @@ class WaitingSlot:
         self.held = True
         self.handed_off = False  # a streaming response owns it now
         state.num_waiting += 1
+        state.num_admitted += 1
 
     def release(self) -> None:
         if self.held:

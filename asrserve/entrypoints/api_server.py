@@ -52,10 +52,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         state.engine.start()
         watcher = asyncio.create_task(state.watch_engine())
         watcher.add_done_callback(lambda task: _exit_if_it_failed(task, state))
+        releaser = asyncio.create_task(state.release_memory_when_idle())
         try:
             yield
         finally:
             watcher.cancel()
+            releaser.cancel()
             state.pool.shutdown()
             realtime.shutdown()
             await asyncio.to_thread(state.engine.shutdown)

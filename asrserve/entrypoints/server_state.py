@@ -16,8 +16,11 @@ from asrserve.entrypoints.metrics import ServerMetrics
 from asrserve.entrypoints.preprocess import PreprocessPool, default_preprocess_workers
 from asrserve.entrypoints.protocol import APIError
 from asrserve.model.tokenizer import WhisperTokenizer
+from asrserve.worker.heap import return_freed_memory
 
 logger = logging.getLogger("asrserve.server")
+
+IDLE_RELEASE_AFTER_S = 1.0  # idle this long, the server process hands its freed heap back to the OS
 
 
 class ServerState:
@@ -39,6 +42,7 @@ class ServerState:
         self.api_key_digests = [api_key_digest(key) for key in config.api_keys]  # once, not per request
         self.tokenizer: WhisperTokenizer | None = None
         self.num_waiting = 0  # accepted transcriptions that have produced no text yet
+        self.num_admitted = 0  # transcriptions ever let in (WaitingSlot): the idle watch reads it
         self.audio_ms_in_flight = 0  # decoded audio held by transcriptions (--max-audio-in-flight-s)
         self.uvicorn_server = None  # set by run_server, so that a dead engine can stop it
         self.exit_code = 0
@@ -73,6 +77,29 @@ class ServerState:
         if self.uvicorn_server is not None:
             self.uvicorn_server.should_exit = True
 
+    @property
+    def is_idle(self) -> bool:
+        """No transcription in flight (from its upload's first byte to its last answer) and no
+        engine request of a live session."""
+        return not (self.num_waiting or self.audio_ms_in_flight or self.engine.num_unfinished)
+
+    async def release_memory_when_idle(self) -> None:
+        """Hands the heap its requests freed back to the OS once the server has been idle for
+        IDLE_RELEASE_AFTER_S after work (as the engine does in its process). The threads that
+        read audio, answer and stream each allocate from their own glibc arena, and what they
+        free stays there: resident memory otherwise ratchets up, burst after burst, to the
+        arenas' high-water marks, which a memory alarm reads as a leak."""
+        watch = IdleWatch(self.activity)
+        while True:
+            await asyncio.sleep(IDLE_RELEASE_AFTER_S)
+            if watch.should_release(self.activity, self.is_idle):
+                await asyncio.to_thread(return_freed_memory)
+
+    @property
+    def activity(self) -> tuple[int, int]:
+        """Changes whenever work comes in: a transcription let in, an engine request added."""
+        return self.num_admitted, self.engine.num_added
+
     async def watch_engine(self) -> None:
         """Waits for the model to load, then for the engine to die (which it should not)."""
         ready = asyncio.ensure_future(self.engine.ready.wait())
@@ -97,3 +124,22 @@ class ServerState:
         # Stay up for a moment answering /health with 503, so load balancers see it go.
         await asyncio.sleep(self.config.engine_death_grace_s)
         self.request_exit(1)
+
+
+class IdleWatch:
+    """Once a period: is this the moment to hand freed memory back? After work, once the
+    server has been idle for a whole period (no new work, nothing in flight), and only once
+    until more work comes. Not at once, nor every period: back-to-back requests and a live
+    session's turns would fault the pages in again, and an idle server has nothing to give."""
+
+    def __init__(self, activity: tuple[int, int]):
+        self.seen = self.released_at = activity
+
+    def should_release(self, activity: tuple[int, int], idle: bool) -> bool:
+        if activity != self.seen or not idle:  # work during the period: wait for a quiet one
+            self.seen = activity
+            return False
+        if activity == self.released_at:  # released since the last work, or none yet
+            return False
+        self.released_at = activity
+        return True

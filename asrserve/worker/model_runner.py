@@ -4,7 +4,6 @@ request, then sampling."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from collections import Counter
@@ -22,6 +21,7 @@ from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pa
 from asrserve.model.rounded_logits import ExactLogits
 from asrserve.worker import cpu_sampling, draft_rows
 from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
+from asrserve.worker.heap import keep_freed_memory_mapped, return_freed_memory
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
 from asrserve.worker.sampler import Sampler, SamplerOutput, to_device
@@ -29,34 +29,6 @@ from asrserve.worker.sampler import Sampler, SamplerOutput, to_device
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_CAP_BYTES = 4 << 30  # default CPU pool: what max_num_seqs needs, at most 4 GiB
-
-
-def _keep_freed_memory_mapped() -> None:
-    """Asks glibc to keep 1 GiB of freed heap mapped instead of returning it to the OS. Each
-    encoder forward allocates and frees hundreds of MB of activations; without this they come
-    back as fresh pages every step, and faulting them in costs ~15% of a CPU encoder forward
-    (measured on tiny.en, batch 8). Not glibc: nothing to do."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TOP_PAD = -2
-    libc.mallopt(M_TOP_PAD, 1 << 30)
-
-
-def _return_freed_memory() -> None:
-    """Gives the heap's free pages back to the OS (glibc's malloc_trim, which also releases
-    free pages below the top). With the 1 GiB kept mapped above, the engine's resident memory
-    would otherwise ratchet up to the highest its heap ever reached, and where that lands
-    depends on how a burst's allocations happened to interleave (tiny.en: +60-95 MB in one
-    burst out of several). Called once the engine has been idle for a second
-    (engine_process.IDLE_RELEASE_AFTER_S), so each burst starts from the same heap. Not glibc:
-    nothing to do."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.malloc_trim(0)
 
 
 def alignment_heads_by_layer(
@@ -168,12 +140,12 @@ class ModelRunner:
             )
             self.decode_graphs.capture()
         if device.type == "cpu":
-            _keep_freed_memory_mapped()
+            keep_freed_memory_mapped()
 
     def release_idle_memory(self) -> None:
         """The engine has nothing to do: hand the freed heap back (CPU only)."""
         if self.device.type == "cpu":
-            _return_freed_memory()
+            return_freed_memory()
 
     # --- sizing the KV pool -----------------------------------------------------------
 
