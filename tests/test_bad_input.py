@@ -246,6 +246,24 @@ def test_the_part_content_type_and_filename_do_not_matter(server, speech, then_g
         assert response.json()["text"] == good_text
 
 
+def test_a_text_field_sent_as_a_file_part_is_read(server, speech, then_good, good_text):
+    """curl -F prompt=@prompt.txt sends a field as a file part: it was dropped without a word,
+    and the request ran without it. A known field is read as text; another file is ignored."""
+    files = [("file", ("a.wav", speech)), ("response_format", ("format.txt", b"verbose_json", "text/plain")),
+             ("timestamp_granularities[]", ("g.txt", b"word"))]
+    response = _post(server, files=files)
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == good_text and response.json()["words"]
+    srt = _post(server, files=[("file", ("a.wav", speech)), ("response_format", ("f.txt", b"srt"))])
+    assert srt.status_code == 200 and srt.text.startswith("1\n00:00:00,000 --> "), srt.text
+    wrong = _post(server, files=[("file", ("a.wav", speech)), ("language", ("l.txt", b"xx"))])
+    assert _assert_error(wrong, 400, "language")
+    long_prompt = [("file", ("a.wav", speech)), ("prompt", ("p.txt", b"word " * 20000))]
+    assert _assert_error(_post(server, files=long_prompt), 400, "prompt")
+    other = _post(server, files=[("file", ("a.wav", speech)), ("image", ("i.png", b"\x89PNG" * 50000))])
+    assert other.status_code == 200 and other.json()["text"] == good_text
+
+
 # --- the audio -----------------------------------------------------------------------------
 
 

@@ -73,7 +73,8 @@ async def _audio_endpoint(request: Request, state: ServerState, task: str, endpo
     try:
         try:
             form = await read_form(request, int(config.max_audio_filesize_mb * 1024 * 1024),
-                                   config.upload_idle_timeout_s, min_rate_bytes_s=config.upload_min_rate_kb_s * 1000)
+                                   config.upload_idle_timeout_s, min_rate_bytes_s=config.upload_min_rate_kb_s * 1000,
+                                   text_fields=TranscriptionRequest.model_fields)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         params = TranscriptionRequest.from_form(form.fields)

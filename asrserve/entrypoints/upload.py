@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import FormParserError
@@ -33,13 +34,14 @@ class ClientGone(Exception):
 
 async def read_form(
     request: Request, max_file_bytes: int, idle_timeout_s: float | None = None, file_field: str = "file",
-    min_rate_bytes_s: float = 0.0,
+    min_rate_bytes_s: float = 0.0, text_fields: Collection[str] = (),
 ) -> UploadedForm:
     """The form, its file read whole; idle_timeout_s: the longest wait for the next chunk
     (an upload that stalls gets 408 instead of holding its slot and its bytes forever);
     min_rate_bytes_s: the least an upload must bring a second, over each idle_timeout_s (one
     that trickles a byte at a time gets 408 too: 128 of them held every waiting slot, and every
-    other client got 429)."""
+    other client got 429). text_fields: the fields read as text even when sent as a file part
+    (curl -F prompt=@prompt.txt): dropped, the request would run without them, without a word."""
     content_type, options = parse_options_header(request.headers.get("content-type"))
     if content_type != b"multipart/form-data" or b"boundary" not in options:
         raise APIError(400, "the request body must be multipart/form-data with a file field", param=file_field)
@@ -71,6 +73,8 @@ async def read_form(
             part.name = params.get(b"name", b"").decode("utf-8", "replace")
             filename = params.get(b"filename")
             part.filename = filename.decode("utf-8", "replace") if filename is not None else None
+            part.ignored = part.filename is not None and part.name != file_field and (
+                part.name.removesuffix("[]") not in text_fields)
         part.header_name, part.header_value = bytearray(), bytearray()
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
@@ -79,7 +83,7 @@ async def read_form(
                 raise too_large
             file_data.extend(data[start:end])
             return
-        if part.filename is not None:
+        if part.ignored:
             return  # some other file: ignored, its bytes counted against the body limit below
         part.data += data[start:end]
         if len(part.data) > MAX_FIELD_BYTES:
@@ -92,7 +96,7 @@ async def read_form(
                 raise APIError(400, "send one audio file per request", param=file_field)
             form.filename = part.filename or "audio"  # only ever a label: never a path
             return
-        if part.filename is not None:
+        if part.ignored:
             return
         if form.filename is None and spread_file.fullmatch(part.name):
             # A client that spreads a byte array over fields: OpenAI's Node SDK given a Buffer
@@ -172,6 +176,7 @@ class _Part:
     def reset(self) -> None:
         self.name = ""
         self.filename: str | None = None
+        self.ignored = False  # a file part that is neither the audio nor one of the text fields
         self.header_name = bytearray()
         self.header_value = bytearray()
         self.data = bytearray()
