@@ -353,6 +353,19 @@ def test_tiny_and_silent_audio_is_a_sane_200(server, then_good):
         for response_format in ("json", "verbose_json"):
             response = _post(server, files={"file": (name, content)}, data={"response_format": response_format})
             assert response.status_code == 200 and response.json()["text"] == "", (name, response.text)
+    # A constant offset resampled: soxr rings at the file's ends, and tiny.en read "you" into
+    # it at 44.1 kHz and 48 kHz without fallback, and at 192 kHz with it.
+    offset = np.full(3 * 8000, 1000, np.int16)
+    for rate in (8000, 48_000, 192_000):
+        content = _encode(np.resize(offset, 3 * rate), rate, "WAV")
+        for fields in ({"temperature_fallback": "false"}, {}, {"stream": "true"}):
+            response = _post(server, files={"file": ("offset.wav", content)}, data=fields)
+            assert response.status_code == 200, response.text
+            if fields.get("stream"):  # not sent to the model: no text, no audio tokens billed
+                done = json.loads(response.text.split("data: ")[-2])
+                assert done["text"] == "" and done["usage"]["input_token_details"]["audio_tokens"] == 0, done
+            else:
+                assert response.json()["text"] == "", (rate, fields, response.text)
     # Too short to hold a word, however loud: Whisper read "you" into a one-sample click.
     for clip in (np.array([0.5], np.float32), np.full(SAMPLE_RATE // 20, 0.3, np.float32)):
         response = _post(server, files={"file": ("click.wav", _encode(clip, SAMPLE_RATE, "WAV"))},
