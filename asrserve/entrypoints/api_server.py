@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response
 
 from asrserve import __version__
 from asrserve.config import EngineConfig, ServerConfig
-from asrserve.entrypoints.auth import redact_keys_in_logs
 from asrserve.entrypoints.error_handlers import add_error_handlers, log_each_bug_once
+from asrserve.entrypoints.log_filters import filter_server_logs
 from asrserve.entrypoints.middleware import MetricsMiddleware
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
@@ -207,7 +207,7 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
             ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
         )
     )
-    redact_keys_in_logs()  # uvicorn.Config has set logging up
+    filter_server_logs(config.access_log)  # uvicorn.Config has set logging up
     log_each_bug_once()
     state.uvicorn_server = server
     server.state, server.realtime = state, app.state.realtime

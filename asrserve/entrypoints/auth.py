@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 from collections.abc import Mapping
 
 from asrserve.entrypoints.protocol import APIError
@@ -36,38 +35,3 @@ def authorize(headers: Mapping[str, str], api_key_digests: list[bytes]) -> None:
             401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
         )
-
-
-class _RedactKeys(logging.Filter):
-    """Hides the headers that carry a key (Authorization, a browser's key subprotocol) from
-    the WebSocket handshake's debug log, where the websockets library writes every header as
-    "< name: value"."""
-
-    SECRET_HEADERS = {"authorization", "sec-websocket-protocol"}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) == 2 and str(args[0]).lower() in self.SECRET_HEADERS:
-            record.args = (args[0], "<redacted>")
-        return True
-
-
-class _RefusedHandshakes(logging.Filter):
-    """uvicorn (0.54, its sans-I/O WebSocket protocol) logs "ASGI callable returned without
-    completing handshake." at ERROR after every handshake refused with an HTTP response (a
-    wrong key, model or origin), which the client caused and got its 4xx for: alerts on server
-    errors would fire on each. asrserve's live endpoint always accepts, refuses or raises, so
-    the line means a refusal."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg != "ASGI callable returned without completing handshake."
-
-
-def redact_keys_in_logs() -> None:
-    """After uvicorn has configured logging (its WebSocket protocol logs through uvicorn.error):
-    keys redacted, and a refused handshake not logged as a server error."""
-    for name in ("uvicorn.error", "websockets.server", "websockets.client"):
-        logger = logging.getLogger(name)
-        for kind in (_RedactKeys, _RefusedHandshakes):
-            if not any(isinstance(f, kind) for f in logger.filters):
-                logger.addFilter(kind())
