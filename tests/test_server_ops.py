@@ -727,3 +727,14 @@ def test_the_server_process_hands_freed_memory_back_once_idle(monkeypatch):
         assert asyncio.run(scenario()) == [0, 0, 1, 2]
     finally:
         state.pool.shutdown()
+
+
+def test_live_sessions_are_pinged_but_never_closed_for_an_unread_pong():
+    """A session waiting for room for its turns reads nothing, so its client's pong waits unread
+    behind its audio: with uvicorn's default 20 s ping timeout an overloaded server closed every
+    such session with 1011 and lost its committed turns. Pings still go out (proxies close
+    quiet connections)."""
+    from asrserve.entrypoints.api_server import uvicorn_config
+
+    config = uvicorn_config(build_app(ServerConfig(), EngineConfig()), ServerConfig())
+    assert config.ws_ping_timeout is None and 0 < config.ws_ping_interval <= 30

@@ -188,6 +188,8 @@ class AsyncEngineClient:
                         loop.call_soon_threadsafe(self._dispatch, ("outputs", failed, self.stats))
                     except RuntimeError:  # the loop has closed: the server is gone
                         return
+            # Not held while waiting for the next: an "add" carries up to ADD_MESSAGE_BYTES of audio.
+            message = None
         connection.close()
 
     def _receive_loop(self, connection, loop: asyncio.AbstractEventLoop) -> None:

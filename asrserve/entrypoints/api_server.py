@@ -195,18 +195,7 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
         return 2
     app = build_app(config, engine_config)
     state: ServerState = app.state.asr
-    server = GracefulServer(
-        uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
-            timeout_keep_alive=config.keep_alive_timeout_s,
-            timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
-            # Above the largest realtime event we answer (15 MiB of audio in base64), so that an
-            # append somewhat over it gets an `error` event rather than a dropped connection; not
-            # far above, since each connection may hold a frame this large while it arrives.
-            ws_max_size=MAX_EVENT_BYTES + (1 << 20),
-            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
-        )
-    )
+    server = GracefulServer(uvicorn_config(app, config))
     filter_server_logs(config.access_log)  # uvicorn.Config has set logging up
     log_each_bug_once()
     state.uvicorn_server = server
@@ -217,6 +206,25 @@ def run_server(config: ServerConfig, engine_config: EngineConfig) -> int:
     if not server.started and state.exit_code == 0:
         return 1
     return state.exit_code
+
+
+def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
+        timeout_keep_alive=config.keep_alive_timeout_s,
+        timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+        # Above the largest realtime event we answer (15 MiB of audio in base64), so that an
+        # append somewhat over it gets an `error` event rather than a dropped connection; not
+        # far above, since each connection may hold a frame this large while it arrives.
+        ws_max_size=MAX_EVENT_BYTES + (1 << 20),
+        # Pings every 20 s keep proxies from closing a quiet session, but an unanswered one does
+        # not close it: a session that waits for room for its turns (SessionTasks.room) reads
+        # nothing, so the client's pong waits unread behind its audio, and on an overloaded
+        # server uvicorn closed every such session with 1011 after 20 s, its committed turns
+        # lost. A client that is gone is found by --realtime-idle-timeout-s, or by TCP.
+        ws_ping_interval=20.0, ws_ping_timeout=None,
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
+    )
 
 
 def served_url(host: str, port: int, tls: bool = False) -> str:

@@ -124,6 +124,10 @@ async def decode(
         # Counted as stopped early where the session ended with it in flight; not where a
         # later decode supersedes it, which is routine.
         engine.abort([request_id], counted=SESSION_ENDED in cancelled.args)
+        # The error's traceback keeps this frame, in a cycle with its task that only the cycle
+        # collector frees (after closed sessions, ~30 audio slices of up to 1.9 MB each were
+        # still held 12 s later): the audio goes now.
+        del audio, request
         raise
     return collected.result(tokenizer)
 

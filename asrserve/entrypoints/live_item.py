@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,12 +110,27 @@ class SessionTasks:
     def __init__(self) -> None:
         self.running: set[asyncio.Task] = set()
         self.closed = False  # the session ended: nothing more is to start
+        self.finished_at = 0.0  # (time.monotonic) when the last of them ended
 
     def spawn(self, work) -> asyncio.Task:
         task = asyncio.ensure_future(work)
         self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        task.add_done_callback(self._finished)
         return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        self.finished_at = time.monotonic()
+
+    def idle_wait_s(self, last_event: float, idle_timeout: float) -> float:
+        """How much longer the session may wait for its client's next event: the idle timeout
+        runs from the client's last event (time.monotonic) or the end of the session's last
+        transcription, whichever is later, and not while one runs (a client waiting for its
+        transcript is not idle; counted from its last event, one whose transcript outlasted the
+        timeout was closed as it came)."""
+        if self.running:
+            return idle_timeout
+        return idle_timeout - (time.monotonic() - max(last_event, self.finished_at))
 
     def cancel(self, why: str) -> list[asyncio.Task]:
         self.closed = True

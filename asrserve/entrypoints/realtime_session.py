@@ -339,11 +339,6 @@ class RealtimeSession:
         if self._last_completion is not None:
             await asyncio.wait({self._last_completion})
 
-    @property
-    def transcribing(self) -> bool:
-        """Whether a committed item (or an early final decode) is still being transcribed."""
-        return bool(self.tasks.running)
-
     def close(self) -> list[asyncio.Task]:
         """The client left, or shutdown cannot wait: its decodes stop; returns the tasks it cancelled."""
         self._cancel_interim(live_decode.SESSION_ENDED)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import logging
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -189,8 +190,7 @@ async def _deny(websocket: WebSocket, error: APIError) -> None:
 
 
 async def _run_session(websocket: WebSocket, state: ServerState, realtime: RealtimeState) -> None:
-    send_lock = asyncio.Lock()
-    closed = False
+    send_lock, closed = asyncio.Lock(), False
     idle_timeout = state.config.realtime_idle_timeout_s
 
     async def send(event: dict[str, Any]) -> None:
@@ -239,11 +239,12 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
             await send(shutting_down().event(None))
             await close(CLOSE_SERVICE_RESTART, SHUTDOWN_REASON)
             return
+        last_event = time.monotonic()
         while True:
             try:
-                message = await asyncio.wait_for(websocket.receive(), idle_timeout)
+                message = await asyncio.wait_for(websocket.receive(), session.tasks.idle_wait_s(last_event, idle_timeout))
             except asyncio.TimeoutError:
-                if session.transcribing:  # a client waiting for its transcripts is not idle
+                if session.tasks.idle_wait_s(last_event, idle_timeout) > 0:  # transcribing, or not long since
                     continue
                 # The turn being spoken when the client went quiet (a stalled microphone) is
                 # committed and transcribed first, as at shutdown: its deltas may have gone out.
@@ -255,7 +256,7 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 return
             if message["type"] == "websocket.disconnect":
                 return
-            event_id = None
+            last_event, event_id = time.monotonic(), None
             try:
                 event, event_id = _parse(message)
                 await session.tasks.room()  # (backpressure: the client's events wait in its socket)
