@@ -400,7 +400,7 @@ class _SlowEngine:
         await asyncio.sleep(self.seconds)
         self.log.append((self.name, start, clock.time()))
         yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[],
-                              new_logprobs=[], language="en", summary=None, finished=True)
+                              new_logprobs=[], language="en", language_probability=None, summary=None, finished=True)
 
     def abort(self, request_ids, counted=True):
         pass
@@ -523,7 +523,7 @@ class _RecordingEngine:
 
     async def _decode(self):
         yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[], new_logprobs=[],
-                              language="en", summary=None, finished=True)
+                              language="en", language_probability=None, summary=None, finished=True)
 
     def abort(self, request_ids, counted=True):
         pass
@@ -869,3 +869,46 @@ def test_a_cancelled_live_decode_lets_its_audio_go():
         assert held() is None  # freed at once, not at the next collection
     finally:
         gc.enable()
+
+
+def test_a_short_turn_whose_language_is_unsure_takes_the_sessions():
+    """Without a language, each turn's is detected, and a short one ("Ja.", "Merci beaucoup.",
+    "Grazie.") is detected unsure, mostly as English: base wrote "Yeah." and "Thank you.". A
+    turn's decodes now take the language of the session's last final detected with certainty
+    where their own detection is unsure (the engine's language_if_unsure); within the
+    session's languages[] only."""
+    class Engine(_RecordingEngine):
+        """Detects the languages it is given, in turn, with their probabilities."""
+
+        def __init__(self, detections):
+            super().__init__()
+            self.detections, self.if_unsure = list(detections), []
+
+        def add(self, requests):
+            self.if_unsure += [request.sampling_params.language_if_unsure for request in requests]
+            return super().add(requests)
+
+        async def _decode(self):
+            language, probability = self.detections.pop(0)
+            yield SimpleNamespace(finish_reason="stop", error=None, restarted=False, new_token_ids=[5],
+                                  new_logprobs=[-0.1], language=language, language_probability=probability,
+                                  summary=None, finished=True)
+
+    async def turns(config: SessionConfig, detections) -> list[str | None]:
+        engine = Engine(detections)
+        session, _ = _session(config, engine)
+        for _ in detections:
+            await session.handle(_append(np.random.default_rng(0).uniform(-0.5, 0.5, 24_000)))
+            await session.handle({"type": "input_audio_buffer.commit"})
+            for _ in range(20):  # the turn's final and completion, in tasks of their own
+                await asyncio.sleep(0)
+        return engine.if_unsure
+
+    manual = SessionConfig(turn_detection=None)
+    # German for sure, then unsure English, then French for sure: each turn takes the last sure one's
+    assert asyncio.run(turns(manual, [("de", 0.93), ("en", 0.21), ("fr", 0.8), ("en", 0.3)])) == [
+        None, "de", "de", "fr"]
+    from asrserve.entrypoints.live_decode import session_language
+
+    assert session_language("de", ()) == "de" and session_language(None, ()) is None
+    assert session_language("de", ("fr", "it")) is None and session_language("de", ("de", "fr")) == "de"

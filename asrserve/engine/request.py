@@ -127,6 +127,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "repetition" (a loop cut short), "abort" or "error"
     language: str | None = None  # set once known (given or detected)
+    language_probability: float | None = None  # the detection's (of the language it picked), where detected
     error: str | None = None  # why the engine refused the request (finish_reason "error")
     bug: bool = False  # the error is asrserve's, not the request's: a 500, not a 400
     # Every token sent so far for this request is void; this output brings the whole decode

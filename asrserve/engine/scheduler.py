@@ -17,8 +17,7 @@ admitted in order while there is a sequence slot, room in this step's encoder ba
 encoder cache, and blocks for their cross-attention and prompt. A class's queue is never
 skipped, so nothing starves; the pool always holds one full-length sequence, so the oldest
 request always advances. A greedy request given a draft (engine/draft.py) checks several of its
-guessed tokens in one step and takes as many as the decode agrees with.
-"""
+guessed tokens in one step and takes as many as the decode agrees with."""
 
 from __future__ import annotations
 
@@ -173,7 +172,8 @@ class Scheduler:
                 task_tokens = self.tokenizer.task_tokens(language, request.task, request.sampling_params.timestamps)
                 if request.set_detected_language(language, probability, task_tokens):
                     self.block_manager.trim(request, 0)  # computed again, the previous text first
-                outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language))
+                outputs.append(RequestOutput(request.request_id, [], [], False, language=request.language,
+                                             language_probability=probability))
                 continue
             if not proposal and not request.draft_token_ids:  # one new token, no draft to move
                 alignment = sampled.alignment_scores[index] if request.sampling_params.word_timestamps else None

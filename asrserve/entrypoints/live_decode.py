@@ -23,7 +23,7 @@ import numpy as np
 
 from asrserve.engine.async_client import AsyncEngineClient
 from asrserve.engine.engine_process import EngineRequest
-from asrserve.engine.request import NO_SPEECH_THRESHOLD, SamplingParams
+from asrserve.engine.request import NO_SPEECH_THRESHOLD, UNSURE_LANGUAGE_PROBABILITY, SamplingParams
 from asrserve.errors import InvalidRequestError
 from asrserve.model.languages import NO_SPACE_LANGUAGES
 from asrserve.model.tokenizer import WhisperTokenizer
@@ -50,21 +50,32 @@ class LiveDecode:
     language: str | None
     no_speech: bool  # judged silence (only when nothing had been sent)
     token_times: list[float] | None = None  # interim decodes: when each token starts (s, from the audio's start)
+    language_sure: bool = True  # given, or detected at UNSURE_LANGUAGE_PROBABILITY or more
 
 
-def interim_params(languages: tuple[str, ...] = ()) -> SamplingParams:
+def interim_params(languages: tuple[str, ...] = (), language_if_unsure: str | None = None) -> SamplingParams:
     """Greedy, once: an interim decode is replaced a moment later, so it must be quick. Word
     timestamps (from the cross-attention the decode computes anyway) say which words lie well
-    inside the audio decoded so far. languages: those a detection may pick (empty: any)."""
+    inside the audio decoded so far. languages: those a detection may pick (empty: any);
+    language_if_unsure: the session's language so far (RealtimeSession.heard_language)."""
     return SamplingParams(temperature=0.0, no_speech_threshold=NO_SPEECH_THRESHOLD, word_timestamps=True,
-                          languages=languages)
+                          languages=languages, language_if_unsure=language_if_unsure)
 
 
-def final_params(has_prefix: bool, languages: tuple[str, ...] = ()) -> SamplingParams:
+def session_language(heard: str | None, languages: tuple[str, ...]) -> str | None:
+    """Where a live turn's language is detected, the one taken where the detection is unsure:
+    the session's so far (`heard`: its last final's, detected with certainty or given), within
+    its languages[]. A short turn ("Ja.", "Merci beaucoup.", "Grazie.") is detected unsure,
+    mostly as English, and was written in it ("Yeah.", "Thank you.")."""
+    return heard if heard and (not languages or heard in languages) else None
+
+
+def final_params(has_prefix: bool, languages: tuple[str, ...] = (), language_if_unsure: str | None = None
+                 ) -> SamplingParams:
     """OpenAI's transcription defaults, as a file upload gets them (temperature fallback with
     best_of 5, silence judgement): a live transcript is as accurate as the same audio sent as a
     file. Once words have been sent they stand: no silence judgement then."""
-    params = SamplingParams.transcription(0.0, languages=languages)
+    params = SamplingParams.transcription(0.0, languages=languages, language_if_unsure=language_if_unsure)
     if has_prefix:
         return replace(params, no_speech_threshold=None)
     return params
@@ -79,6 +90,7 @@ class DecodeCollector:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.summary = None
+        self.language_sure = True
 
     def add(self, output) -> None:
         if output.finish_reason == "error":
@@ -90,6 +102,8 @@ class DecodeCollector:
         self.token_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs)
         self.language = output.language or self.language
+        if output.language_probability is not None:
+            self.language_sure = output.language_probability >= UNSURE_LANGUAGE_PROBABILITY
         self.summary = output.summary if output.finished else self.summary
 
     def result(self, tokenizer: WhisperTokenizer) -> LiveDecode:
@@ -99,7 +113,7 @@ class DecodeCollector:
         times = summary.token_times if summary is not None and summary.token_times else None
         return LiveDecode(
             [token for token, _ in kept], [logprob for _, logprob in kept], self.language,
-            summary is not None and summary.no_speech, times[: len(kept)] if times else None,
+            summary is not None and summary.no_speech, times[: len(kept)] if times else None, self.language_sure,
         )
 
 

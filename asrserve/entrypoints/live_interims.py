@@ -45,7 +45,8 @@ async def interim_loop(session: RealtimeSession) -> None:
                 result = await live_decode.decode(
                     session.engine, session.tokenizer, session.audio.slice(segment.start, end),
                     session.config.language, session.config.prompt, segment.stable,
-                    live_decode.interim_params(session.config.languages),
+                    live_decode.interim_params(session.config.languages, live_decode.session_language(
+                        session.heard_language, session.config.languages)),
                     previous=segment.previous, prompt_head=session.config.prompt_head,
                 )
             except EngineDeadError:

@@ -51,6 +51,7 @@ class RealtimeSession:
         self.audio = SessionAudio()
         self.item: Item | None = None  # the open (uncommitted) item
         self.previous_item_id: str | None = None
+        self.heard_language: str | None = None  # of the last final whose language was sure (language_if_unsure)
         self.vad: VADStream | None = None
         self.turns: TurnDetector | None = None
         self._vad_origin = 0
@@ -256,7 +257,8 @@ class RealtimeSession:
     def _start_final(self, segment: Segment, end: int) -> None:
         if segment.final is not None:
             return
-        params = live_decode.final_params(bool(segment.stable), self.config.languages)
+        params = live_decode.final_params(bool(segment.stable), self.config.languages,
+                                          live_decode.session_language(self.heard_language, self.config.languages))
         segment.final = self.tasks.spawn(live_decode.decode(
             self.engine, self.tokenizer, self.audio.slice(segment.start, end), self.config.language, self.config.prompt,
             segment.stable, params, final=True, previous=segment.previous, prompt_head=self.config.prompt_head,
@@ -281,6 +283,8 @@ class RealtimeSession:
         result: LiveDecode = segment.final.result()
         if result.no_speech and not segment.stable:
             return
+        if result.language and result.language_sure:
+            self.heard_language = result.language
         await self.extend(item, segment, segment.stable + result.token_ids,
                           segment.stable_logprobs + result.logprobs, result.language)
 
