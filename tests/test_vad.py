@@ -210,6 +210,30 @@ def test_concurrent_callers_get_their_own_results(sentences):
         np.testing.assert_array_equal(results[i], expected[i])
 
 
+@needs_silero
+def test_the_lstm_sees_few_sequence_lengths_whatever_the_audio(monkeypatch):
+    """torch's CPU LSTM caches a oneDNN primitive per sequence length (~0.2 MB each, up to
+    1024): audio of every length, scored whole or streamed, must not reach it with every
+    length, or the server's memory grows for hours."""
+    from asrserve.audio.streaming_vad import VADStream
+
+    model = vad.SileroVAD()
+    lstm, lengths = model.lstm, set()
+
+    def recording_lstm(features, state):
+        lengths.add(features.shape[1])
+        return lstm(features, state)
+
+    monkeypatch.setattr(model, "lstm", recording_lstm)
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # whole recordings of 60 lengths, 0.1 s to 140 s (more than a block)
+        model.probabilities(rng.standard_normal(int(rng.integers(1600, 140 * SR))).astype(np.float32) * 0.1)
+    stream = VADStream(model)
+    for _ in range(200):  # a live stream in appends of any size
+        stream.push(rng.standard_normal(int(rng.integers(1, 20_000))).astype(np.float32) * 0.1)
+    assert lengths <= {1 << k for k in range(vad.BLOCK_WINDOWS.bit_length())}, sorted(lengths)
+
+
 def test_missing_package_names_the_install(monkeypatch):
     monkeypatch.setattr(vad, "_PACKAGE", "silero_vad_is_not_installed")
     with pytest.raises(ImportError, match="pip install silero-vad"):

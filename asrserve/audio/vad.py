@@ -167,8 +167,8 @@ class SileroVAD:
             chunk = samples[max(0, begin) : begin + CONTEXT + num * WINDOW]
             audio[max(0, -begin) : max(0, -begin) + len(chunk)] = torch.from_numpy(chunk)
             windows = audio.unfold(0, WINDOW + CONTEXT, WINDOW)  # [num, 576], a view
-            hidden, lstm_state = self.lstm(self._front_end(windows).unsqueeze(0), lstm_state)
-            return self._head(hidden[0]), lstm_state
+            hidden, lstm_state = self._recur(self._front_end(windows), lstm_state)
+            return self._head(hidden), lstm_state
 
     def _head(self, hidden) -> np.ndarray:
         import torch
@@ -185,8 +185,24 @@ class SileroVAD:
 
         with torch.inference_mode(), _one_thread():
             features = self._front_end(torch.from_numpy(np.array(windows, dtype=np.float32)))  # a copy: views are read-only
-            hidden, lstm_state = self.lstm(features.unsqueeze(0), lstm_state)
-            return self._head(hidden[0]), lstm_state
+            hidden, lstm_state = self._recur(features, lstm_state)
+            return self._head(hidden), lstm_state
+
+    def _recur(self, features, lstm_state):
+        """The LSTM over [count, 128] features in runs whose lengths are powers of two, the
+        state carried from run to run (the same recurrence). torch's CPU LSTM goes to oneDNN,
+        which builds and caches a primitive for every sequence length it sees (~0.2 MB each, up
+        to 1024 of them): scoring audio of every length grew the server's memory by ~230 MB
+        over hours. Powers of two leave 12 lengths (BLOCK_WINDOWS is 2048)."""
+        import torch
+
+        hidden, start = [], 0
+        while start < len(features):
+            run = 1 << ((len(features) - start).bit_length() - 1)  # the largest power of two that fits
+            out, lstm_state = self.lstm(features[start : start + run].unsqueeze(0), lstm_state)
+            hidden.append(out[0])
+            start += run
+        return (torch.cat(hidden) if len(hidden) > 1 else hidden[0]), lstm_state
 
 
 @contextmanager
