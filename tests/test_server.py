@@ -486,6 +486,27 @@ def test_keywords_stay_whole_in_front_of_a_long_prompt(client, speech_files):
     assert done.text == kept.text and done.usage.input_token_details.text_tokens == 223  # (one decode)
 
 
+def test_a_trailing_slash_is_served_not_redirected(server, speech_files, expected):
+    """`/health/`, `/v1/models/`, `/v1/audio/transcriptions/` and `/v1/realtime/` answer as
+    without the slash: no 307 (which re-sends an upload, or sends it nowhere, and which a
+    WebSocket cannot follow) and no model named ""."""
+    from websockets.sync.client import connect
+
+    health = httpx.get(f"{server.url}/health/")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    models = httpx.get(f"{server.url}/v1/models/", headers=headers)
+    assert models.status_code == 200 and models.json()["object"] == "list", models.text
+    with open(speech_files[0], "rb") as audio:
+        response = httpx.post(f"{server.url}/v1/audio/transcriptions/", headers=headers, timeout=120,
+                              files={"file": audio}, data={"model": "whisper-1"})
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == expected[0]
+    url = server.url.replace("http", "ws", 1) + "/v1/realtime/?intent=transcription"
+    with connect(url, additional_headers=headers) as socket:
+        assert json.loads(socket.recv(timeout=30))["type"] == "session.created"
+
+
 # --- errors --------------------------------------------------------------------------------
 
 

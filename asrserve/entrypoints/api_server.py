@@ -26,7 +26,7 @@ from asrserve import __version__
 from asrserve.config import EngineConfig, ServerConfig
 from asrserve.entrypoints.error_handlers import add_error_handlers, log_each_bug_once
 from asrserve.entrypoints.log_filters import filter_server_logs
-from asrserve.entrypoints.middleware import MetricsMiddleware
+from asrserve.entrypoints.middleware import MetricsMiddleware, TrailingSlashMiddleware
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
 from asrserve.entrypoints.serving_playground import add_page_routes
@@ -71,6 +71,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
             allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600,
         )
+    app.add_middleware(TrailingSlashMiddleware)  # outermost: every other layer sees the path it routes by
     add_error_handlers(app)
     _add_operations_routes(app, state)
     add_models_routes(app, state)

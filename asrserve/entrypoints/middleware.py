@@ -1,5 +1,5 @@
-"""Request counts and latency by endpoint, measured around every HTTP request, and each
-request's id (X-Request-Id)."""
+"""Request counts and latency by endpoint, measured around every HTTP request, each
+request's id (X-Request-Id), and paths served with or without a trailing slash."""
 
 from __future__ import annotations
 
@@ -94,3 +94,25 @@ def _log_access(scope, code: int) -> None:
     path = scope["path"] + (f"?{query}" if query else "")
     logging.getLogger("uvicorn.access").info(
         '%s - "%s %s HTTP/%s" %d', address, scope["method"], path, scope.get("http_version", "1.1"), code)
+
+
+class TrailingSlashMiddleware:
+    """Serves a path with a trailing slash as the path without one (`/health/`,
+    `/v1/audio/transcriptions/`, `/v1/realtime/`). Starlette would answer 307 to the other
+    spelling instead: a client sends a whole upload twice (or, as curl, not again); a
+    WebSocket cannot follow it and got 403; behind a TLS proxy whose address is not trusted
+    for X-Forwarded-Proto the redirect points at http://; and `/v1/models/` read as a model
+    named "" (404)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and len(path) > 1 and path.endswith("/"):
+            stripped = path.rstrip("/") or "/"
+            raw = scope.get("raw_path")
+            scope = {**scope, "path": stripped}
+            if raw is not None:
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
