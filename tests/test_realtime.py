@@ -16,7 +16,7 @@ import soxr
 import websockets
 import websockets.exceptions
 
-from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES
+from asrserve.entrypoints.realtime_client_events import MAX_EVENT_BYTES
 from tests.conftest import SENTENCES
 from tests.server_utils import ServerProcess
 from tests.wer import word_errors
@@ -248,6 +248,60 @@ def test_manual_commit_16_khz_with_logprobs(server, speech_audio, offline):
     logprobs = done["logprobs"]
     assert len(logprobs) >= 8 and all(entry["logprob"] <= 0 for entry in logprobs)
     assert "".join(entry["token"] for entry in logprobs).strip() == transcript
+
+
+def ulaw(samples: np.ndarray) -> bytes:
+    """16 kHz float audio as G.711 u-law at 8 kHz (each sample to the code just above it)."""
+    from asrserve.entrypoints.realtime_protocol import _mulaw_table
+
+    table = _mulaw_table()
+    order = np.argsort(table, kind="stable")
+    linear = np.clip(soxr.resample(samples, 16_000, 8_000), -1, 1) * 32767
+    return order[np.clip(np.searchsorted(table[order], linear), 0, 255)].astype(np.uint8).tobytes()
+
+
+def test_a_client_of_the_beta_protocol_sets_its_session(server, speech_audio, offline):
+    """openai-python 1.x's client.beta.realtime and Home Assistant's integrations send
+    transcription_session.update with the beta's flat session: applied (here G.711 u-law, no
+    server VAD), answered with transcription_session.updated in that shape, and its errors name
+    the beta's fields."""
+    url = f"{server.url.replace('http', 'ws', 1)}/v1/realtime?intent=transcription"
+    headers = {"Authorization": f"Bearer {API_KEY}", "OpenAI-Beta": "realtime=v1"}
+
+    async def run():
+        async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
+            events = [json.loads(await ws.recv())]  # session.created
+            await ws.send(json.dumps({"type": "transcription_session.update", "event_id": "bad", "session": {
+                "input_audio_format": "pcm16", "turn_detection": {"type": "server_vad", "threshold": 2}}}))
+            await ws.send(json.dumps({"type": "transcription_session.update", "event_id": "bad format",
+                                      "session": {"input_audio_format": "opus"}}))
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {
+                "input_audio_format": "g711_ulaw", "modalities": ["text"], "turn_detection": None,
+                "input_audio_noise_reduction": None, "include": ["item.input_audio_transcription.logprobs"],
+                "input_audio_transcription": {"model": "whisper-1", "language": "en", "prompt": ""}}}))
+            audio = ulaw(np.concatenate([silence(0.3), speech_audio[1], silence(0.5)]))
+            for start in range(0, len(audio), 800):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(audio[start : start + 800]).decode()}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            async with asyncio.timeout(60):
+                while events[-1]["type"] != "conversation.item.input_audio_transcription.completed":
+                    events.append(json.loads(await ws.recv()))
+            return events
+
+    events = asyncio.run(run())
+    errors = {e["error"]["event_id"]: e["error"] for e in events if e["type"] == "error"}
+    assert errors["bad"]["param"] == "session.turn_detection.threshold", errors
+    assert errors["bad format"]["param"] == "session.input_audio_format", errors
+    [updated] = [e for e in events if e["type"] == "transcription_session.updated"]
+    session = updated["session"]
+    assert session["input_audio_format"] == "g711_ulaw" and session["turn_detection"] is None
+    assert session["input_audio_transcription"]["language"] == "en" and session["include"]
+    assert "session.updated" not in [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" not in [e["type"] for e in events]
+    done = events[-1]
+    assert done["logprobs"], done
+    assert as_good_as_offline(offline, 1, done["transcript"], speech_audio[1]), done["transcript"]
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(server, speech_audio, offline):

@@ -713,7 +713,7 @@ def test_events_that_are_json_but_not_text_or_too_deep_get_invalid_json():
     engine process when it was tokenized (the whole server exited), in an event_id it broke the
     error event sent back (the connection dropped). Deep nesting and huge integers raised past
     the JSON error handler ("this is a bug in asrserve", a traceback a client could repeat)."""
-    from asrserve.entrypoints.serving_realtime import _parse
+    from asrserve.entrypoints.realtime_client_events import parse_event as _parse
 
     def refusal(text: str) -> RealtimeError:
         with pytest.raises(RealtimeError) as error:

@@ -30,7 +30,8 @@ from asrserve.entrypoints.middleware import MetricsMiddleware, TrailingSlashMidd
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
 from asrserve.entrypoints.serving_playground import add_page_routes
-from asrserve.entrypoints.serving_realtime import MAX_EVENT_BYTES, RealtimeState, add_realtime_routes
+from asrserve.entrypoints.realtime_client_events import MAX_EVENT_BYTES
+from asrserve.entrypoints.serving_realtime import RealtimeState, add_realtime_routes
 from asrserve.entrypoints.serving_transcription import add_transcription_routes
 
 logger = logging.getLogger("asrserve.server")

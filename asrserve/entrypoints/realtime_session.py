@@ -28,6 +28,7 @@ from asrserve.entrypoints.live_item import (
     Item, RealtimeOptions, Segment, SessionAudio, SessionTasks, failed_event, sample_ms, user_item,
 )
 from asrserve.entrypoints.protocol import usage_duration
+from asrserve.entrypoints.realtime_client_events import SESSION_UPDATES, session_of, session_updated
 from asrserve.entrypoints.realtime_protocol import InputAudioDecoder, RealtimeError, SessionConfig, new_id, server_event
 from asrserve.errors import shown
 
@@ -64,15 +65,15 @@ class RealtimeSession:
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        handler = {"session.update": self._update, "input_audio_buffer.append": self._append,
-                   "input_audio_buffer.commit": self._commit, "input_audio_buffer.clear": self._clear}.get(kind)
+        handler = {"input_audio_buffer.append": self._append, "input_audio_buffer.commit": self._commit,
+                   "input_audio_buffer.clear": self._clear}.get(kind, self._update if kind in SESSION_UPDATES else None)
         if handler is None:
             raise RealtimeError(f"unknown or unsupported event type {shown(kind)} in a transcription session",
                                 param="type", code="unknown_event_type")
         await handler(event)
 
     async def _update(self, event: dict[str, Any]) -> None:
-        config = self.config.updated(event.get("session"))
+        config = self.config.updated(session_of(event))
         if (config.format, config.rate) != (self.config.format, self.config.rate):
             # (the ~20 ms the old resampler held back end what was written: dropped, they cost the clock)
             tail, self.decoder = self.decoder.flush(), InputAudioDecoder(config)
@@ -83,7 +84,7 @@ class RealtimeSession:
             if self.item is not None:  # the pause it started at is not a pause to the new rules
                 self._drop_early_final(self.item.segments[-1])
             self._start_vad()
-        await self.send(server_event("session.updated", session=config.as_session(self.session_id)))
+        await self.send(session_updated(event, config.as_session(self.session_id)))
 
     async def _append(self, event: dict[str, Any]) -> None:
         await self._take(self.decoder.decode(event.get("audio")))

@@ -10,9 +10,7 @@ work. Decodes are ordinary engine requests marked interactive (served ahead of f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,9 +26,10 @@ from asrserve.entrypoints.live_shutdown import (
 )
 from asrserve.entrypoints.live_socket import SendTimeout, send_event, within
 from asrserve.entrypoints.protocol import APIError
-from asrserve.entrypoints.realtime_protocol import (
-    LONE_SURROGATE_ESCAPE, RealtimeError, SessionConfig, is_text, new_id, server_event,
+from asrserve.entrypoints.realtime_client_events import (
+    BETA_SESSION_UPDATE, SESSION_UPDATES, in_beta_terms, parse_event, session_of,
 )
+from asrserve.entrypoints.realtime_protocol import RealtimeError, SessionConfig, new_id, server_event
 from asrserve.entrypoints.realtime_session import RealtimeOptions, RealtimeSession
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import check_model_name
@@ -40,7 +39,6 @@ from asrserve.worker.cpu_quota import usable_cpus
 logger = logging.getLogger("asrserve.realtime")
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
-MAX_EVENT_BYTES = 15 * 1024 * 1024 * 4 // 3 + 1024  # OpenAI's 15 MiB of audio per append, in base64
 CLOSE_TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded
 CLOSE_POLICY = 1008
 
@@ -256,21 +254,23 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
                 return
             if message["type"] == "websocket.disconnect":
                 return
-            last_event, event_id = time.monotonic(), None
+            last_event, event, event_id = time.monotonic(), {}, None
             try:
-                event, event_id = _parse(message)
+                event, event_id = parse_event(message)
                 await session.tasks.room()  # (backpressure: the client's events wait in its socket)
                 if realtime.draining:  # (also where it began while this event waited for room)
                     if event.get("type") == "input_audio_buffer.append":
                         continue  # audio after the turn the shutdown ended
                     raise shutting_down()
-                if event.get("type") == "session.update":
-                    _check_session(event, state)
-                    if vad_error is not None and session.config.updated(event.get("session")).turn_detection:
+                if event.get("type") in SESSION_UPDATES:
+                    update = session_of(event)
+                    _check_session(update, state)
+                    if vad_error is not None and session.config.updated(update).turn_detection:
                         raise _vad_unavailable(vad_error)
                 async with connection.handling:
                     await session.handle(event)
             except RealtimeError as error:
+                error = in_beta_terms(error) if event.get("type") == BETA_SESSION_UPDATE else error
                 await send(error.event(event_id or error.event_id))
             except Exception:  # a bug: this event fails, the session goes on
                 logger.exception("realtime session %s: the event failed", session_id)
@@ -284,49 +284,9 @@ async def _run_session(websocket: WebSocket, state: ServerState, realtime: Realt
         session.close()
 
 
-# An event too large to parse still names its event_id, usually before its audio.
-_EVENT_ID = re.compile(r'"event_id"\s*:\s*"((?:[^"\\]|\\.){0,512})"')
-
-
-def _event_id_in(text: str) -> str | None:
-    found = _EVENT_ID.search(text)
-    try:
-        event_id = json.loads(f'"{found.group(1)}"') if found else None
-    except json.JSONDecodeError:
-        return None
-    return event_id if is_text(event_id) else None
-
-
-def _parse(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """The event and its event_id; a RealtimeError carries the event_id where one was found."""
-    text = message.get("text")
-    if text is None:
-        raise RealtimeError("send events as JSON text frames, not binary", code="invalid_event")
-    if len(text) > MAX_EVENT_BYTES:
-        raise RealtimeError("an event may carry at most 15 MiB of audio", code="event_too_large",
-                            event_id=_event_id_in(text))
-    try:
-        event = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RealtimeError(f"the event is not valid JSON: {error.msg}", code="invalid_json") from None
-    except (ValueError, RecursionError):  # an integer of thousands of digits, arrays nested thousands deep
-        raise RealtimeError("the event is not JSON we read: a number too long or nesting too deep",
-                            code="invalid_json") from None
-    event_id = event.get("event_id") if isinstance(event, dict) else None
-    event_id = event_id if isinstance(event_id, str) and is_text(event_id) else None
-    if LONE_SURROGATE_ESCAPE.search(text) and not is_text(event):
-        # "\ud800" alone is valid JSON but not text: it cannot be sent back, tokenized or logged.
-        raise RealtimeError("the event holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text",
-                            code="invalid_json", event_id=event_id)
-    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-        raise RealtimeError("an event must be a JSON object with a string `type`", param="type",
-                            code="invalid_event", event_id=event_id)
-    return event, event_id
-
-
-def _check_session(event: dict[str, Any], state: ServerState) -> None:
-    """The model and language a session.update names, by the rules of the HTTP API."""
-    transcription = _field(event, "session", "audio", "input", "transcription")
+def _check_session(session: Any, state: ServerState) -> None:
+    """The model and language a session update names, by the rules of the HTTP API."""
+    transcription = _field(session, "audio", "input", "transcription")
     param = "session.audio.input.transcription"
     model, language = _field(transcription, "model"), _field(transcription, "language")
     if isinstance(model, str):
