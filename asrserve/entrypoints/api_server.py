@@ -27,10 +27,10 @@ from asrserve.config import EngineConfig, ServerConfig
 from asrserve.entrypoints.error_handlers import add_error_handlers, log_each_bug_once
 from asrserve.entrypoints.log_filters import filter_server_logs
 from asrserve.entrypoints.middleware import MetricsMiddleware, TrailingSlashMiddleware
+from asrserve.entrypoints.realtime_client_events import MAX_EVENT_BYTES
 from asrserve.entrypoints.server_state import ServerState
 from asrserve.entrypoints.serving_models import add_models_routes
 from asrserve.entrypoints.serving_playground import add_page_routes
-from asrserve.entrypoints.realtime_client_events import MAX_EVENT_BYTES
 from asrserve.entrypoints.serving_realtime import RealtimeState, add_realtime_routes
 from asrserve.entrypoints.serving_transcription import add_transcription_routes
 
