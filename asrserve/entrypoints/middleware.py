@@ -96,20 +96,25 @@ def _log_access(scope, code: int) -> None:
         '%s - "%s %s HTTP/%s" %d', address, scope["method"], path, scope.get("http_version", "1.1"), code)
 
 
+# What programs call (not the pages, whose relative links need their own redirect).
+API_PATHS = ("/v1/", "/health/", "/version/", "/metrics/")
+
+
 class TrailingSlashMiddleware:
-    """Serves a path with a trailing slash as the path without one (`/health/`,
+    """Serves an API path with a trailing slash as the path without one (`/health/`,
     `/v1/audio/transcriptions/`, `/v1/realtime/`). Starlette would answer 307 to the other
     spelling instead: a client sends a whole upload twice (or, as curl, not again); a
     WebSocket cannot follow it and got 403; behind a TLS proxy whose address is not trusted
     for X-Forwarded-Proto the redirect points at http://; and `/v1/models/` read as a model
-    named "" (404)."""
+    named "" (404). The pages keep their redirects: /playground/ served as /playground would
+    resolve its relative links under /playground/."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] in ("http", "websocket") and len(path) > 1 and path.endswith("/"):
+        if scope["type"] in ("http", "websocket") and path.endswith("/") and path.startswith(API_PATHS):
             stripped = path.rstrip("/") or "/"
             raw = scope.get("raw_path")
             scope = {**scope, "path": stripped}
