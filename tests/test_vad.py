@@ -226,7 +226,7 @@ def test_the_lstm_sees_few_sequence_lengths_whatever_the_audio(monkeypatch):
 
     monkeypatch.setattr(model, "lstm", recording_lstm)
     rng = np.random.default_rng(0)
-    for _ in range(60):  # whole recordings of 60 lengths, 0.1 s to 140 s (more than a block)
+    for _ in range(24):  # whole recordings of 24 lengths, 0.1 s to 140 s (more than a block)
         model.probabilities(rng.standard_normal(int(rng.integers(1600, 140 * SR))).astype(np.float32) * 0.1)
     stream = VADStream(model)
     for _ in range(200):  # a live stream in appends of any size
