@@ -191,9 +191,9 @@ class SileroVAD:
     def _recur(self, features, lstm_state):
         """The LSTM over [count, 128] features in runs whose lengths are powers of two, the
         state carried from run to run (the same recurrence). torch's CPU LSTM goes to oneDNN,
-        which builds and caches a primitive for every sequence length it sees (~0.2 MB each, up
-        to 1024 of them): scoring audio of every length grew the server's memory by ~230 MB
-        over hours. Powers of two leave 12 lengths (BLOCK_WINDOWS is 2048)."""
+        which builds and caches a primitive for every sequence length it sees (~0.24 MB each, up
+        to 1024 of them): scoring audio of every length grew the server's memory by up to
+        ~250 MB over hours. Powers of two leave 12 lengths (BLOCK_WINDOWS is 2048)."""
         import torch
 
         hidden, start = [], 0
