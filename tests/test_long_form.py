@@ -98,6 +98,24 @@ def test_a_decode_that_stopped_early_is_continued_from_its_last_segment(tiny_en_
     assert plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=False) is None
 
 
+def test_a_decode_that_stopped_on_a_lone_opening_timestamp_stopped_early(tiny_en_engine):
+    # tiny.en ended a piece `... Thank you.<27.04><28.56><|endoftext|>` with 4 s of speech after
+    # it: the opened timestamp holds no words, so the decode stopped early as surely as one
+    # ending on <27.04>, and the word after it ("One") was lost.
+    tokenizer = tiny_en_engine.tokenizer
+    piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0, 6.2])
+    plan = plan_continuation(tokenizer, piece, _loud(), depth=0, user_prompt=None, timestamps=True)
+    assert plan is not None and plan.reason == "early_stop" and plan.seek_s == pytest.approx(5.0)
+    assert tokenizer.decode(piece.token_ids) == tokenizer.decode(
+        _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0]).token_ids[:-1]
+    )  # the lone timestamp is dropped with the rest
+    # Nor is it a reason to continue where the piece had nothing left after it.
+    quiet = _loud()
+    quiet[5 * SAMPLE_RATE :] = 0
+    piece = _piece(tokenizer, [0.0, " We went home at noon.", 2.4, 2.4, " Then it rained all day.", 5.0, 6.2])
+    assert plan_continuation(tokenizer, piece, quiet, depth=0, user_prompt=None, timestamps=True) is None
+
+
 def test_a_loop_cut_short_is_continued_after_its_last_segment(tiny_en_engine):
     """An attempt the loop check ended (fallback.is_looping) was reported as stopping: if every
     temperature failed that way and one was kept, the seek rule took it for the piece's natural

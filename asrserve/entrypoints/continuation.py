@@ -170,9 +170,8 @@ def continuation_language(requested: str | None, plan: Continuation, params: Sam
 
 
 def speech_finder(strategy: ChunkingStrategy) -> SpeechFinder | None:
-    """Silero's speech regions, at the strategy's threshold, for a voice-activity strategy
-    (None for "energy", which never runs Silero); a finder that gives None where Silero
-    cannot be loaded (continuation then goes by energy, as before)."""
+    """Silero's speech regions, at the strategy's threshold, for a voice-activity strategy (None for
+    "energy"); a finder that gives None where Silero cannot be loaded (then energy is used)."""
     if strategy.type == "energy":
         return None
 
@@ -199,10 +198,9 @@ def _speech_s(regions: list[tuple[int, int]], end_sample: int) -> float:
 
 
 def _past_the_pause(seek_sample: int, sound: int | None) -> int:
-    """Where the continuation starts: the seek point, or, when a long pause follows it (the
-    first sound `sound` samples later), just before that sound. Whisper places a window's first
-    timestamp in its first second, so a window opening on 12 s of pause put the next sentence's
-    segment (and its first word) at the pause's start."""
+    """Where the continuation starts: the seek point, or, when a long pause follows it (the first
+    sound `sound` samples later), just before that sound. Whisper places a window's first timestamp
+    in its first second: a window opening on 12 s of pause timed the next sentence from its start."""
     if sound is None or sound < PAUSE_SKIPPED_S * SAMPLE_RATE:
         return seek_sample
     return seek_sample + sound - round(PAUSE_KEPT_S * SAMPLE_RATE)
@@ -284,10 +282,12 @@ def _seek_point(
     # A loop cut short is read again after its last segment (plan_continuation checks what
     # remains); so is text left open when the tokens ran out, cut mid-sentence. Text left open
     # by <|endoftext|> is the piece's last sentence running to its end (a piece ends at a cut,
-    # not inside speech that goes on, as openai/whisper's windows do): kept.
+    # not inside speech that goes on, as openai/whisper's windows do): kept. A lone opened
+    # timestamp is no text: `... you.<27.04><28.56><|endoftext|>` stopped at 27.04.
     if piece.finish_reason == "repetition" or (piece.finish_reason == "length" and open_text is not None):
         return last_end, keep, piece.finish_reason, None
-    if open_text is None and piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S:
+    stopped = open_text is None or not open_text.num_text
+    if stopped and piece.finish_reason == "stop" and piece.duration_s - last_end >= EARLY_STOP_S:
         return last_end, keep, "early_stop", None
     return None
 
