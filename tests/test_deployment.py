@@ -11,8 +11,12 @@ import shlex
 import ssl
 import subprocess
 import threading
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 import pytest
 import yaml

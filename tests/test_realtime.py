@@ -68,14 +68,18 @@ async def collect(connection, completions: int, timeout: float = 60) -> list[dic
     """Server events (as dicts) until `completions` transcripts have completed (and their items
     are done)."""
     events = []
-    async with asyncio.timeout(timeout):
+
+    async def until_done() -> list[dict]:  # (asyncio.wait_for, not asyncio.timeout: Python 3.10 too)
+        remaining = completions
         async for event in connection:
             events.append({**event.model_dump(exclude_none=False), "received": time.monotonic()})
             if event.type == "conversation.item.done":
-                completions -= 1
-                if completions == 0:
+                remaining -= 1
+                if remaining == 0:
                     return events
-    raise AssertionError(f"the connection closed first: {events}")
+        raise AssertionError(f"the connection closed first: {events}")
+
+    return await asyncio.wait_for(until_done(), timeout)
 
 
 @pytest.fixture(scope="module")
@@ -284,9 +288,11 @@ def test_a_client_of_the_beta_protocol_sets_its_session(server, speech_audio, of
                 await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                           "audio": base64.b64encode(audio[start : start + 800]).decode()}))
             await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-            async with asyncio.timeout(60):
+            async def until_completed() -> None:
                 while events[-1]["type"] != "conversation.item.input_audio_transcription.completed":
                     events.append(json.loads(await ws.recv()))
+
+            await asyncio.wait_for(until_completed(), 60)
             return events
 
     events = asyncio.run(run())
