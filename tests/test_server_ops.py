@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -738,3 +739,18 @@ def test_live_sessions_are_pinged_but_never_closed_for_an_unread_pong():
 
     config = uvicorn_config(build_app(ServerConfig(), EngineConfig()), ServerConfig())
     assert config.ws_ping_timeout is None and 0 < config.ws_ping_interval <= 30
+
+
+def test_the_openapi_schema_builds_without_warnings():
+    # /health, /version and /metrics answer HEAD too (uptime monitors): registered as one route
+    # with two methods, newer FastAPI (0.165) warned of duplicate operation ids on every
+    # first GET /docs or /openapi.json.
+    app = build_app(ServerConfig(), EngineConfig())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schema = app.openapi()
+    assert not [str(warning.message) for warning in caught if "fastapi" in warning.filename]
+    client = TestClient(app)  # no lifespan: no engine
+    assert {"/health", "/version", "/metrics", "/v1/audio/transcriptions"} <= set(schema["paths"])
+    assert "head" not in schema["paths"]["/health"]
+    assert client.head("/version").status_code == 200 and client.get("/version").json()["version"]

@@ -85,7 +85,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
     """What load balancers and Prometheus read; open without a key."""
     # HEAD too: some uptime monitors and load-balancer checks probe with it.
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @_get_and_head(app, "/health")
     async def health() -> Response:
         if state.engine.failed.is_set():
             return JSONResponse({"status": "error", "error": state.engine.error}, status_code=503)
@@ -99,16 +99,27 @@ def _add_operations_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.api_route("/version", methods=["GET", "HEAD"])
+    @_get_and_head(app, "/version")
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @_get_and_head(app, "/metrics")
     async def metrics() -> Response:
         state.metrics.preprocess_queue_depth.set(state.pool.num_queued)
         state.metrics.requests_waiting_http.set(state.num_waiting)
         state.metrics.audio_seconds_in_flight.set(state.audio_ms_in_flight / 1000)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _get_and_head(app: FastAPI, path: str):
+    """Registers an endpoint for GET and HEAD, HEAD out of the schema: one route with both
+    methods gave two operations of one id, which FastAPI warns about on every first /docs."""
+    def register(endpoint):
+        app.add_api_route(path, endpoint, methods=["GET"])
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+        return endpoint
+
+    return register
 
 
 class GracefulServer(uvicorn.Server):
