@@ -511,6 +511,45 @@ def test_a_turn_whose_final_is_done_completes_before_any_other_task_runs():
     assert asyncio.run(turn(final_done=False)) == (order[:2], order)
 
 
+def test_a_later_turn_sends_its_text_only_after_the_turns_before_it_complete():
+    """Turns complete in commit order, and their deltas go out in it too: a short turn whose
+    final was done overtook a longer one still decoding, and livekit-agents, which adds every
+    delta to one running text until `completed`, showed the turns glued in reverse order. An
+    interim decode of the open turn waits as well."""
+    from asrserve.entrypoints.live_decode import LiveDecode
+    from asrserve.entrypoints.live_item import Item, Segment
+
+    async def turns() -> list[tuple[str, str]]:
+        events: list[dict] = []
+
+        async def send(event: dict) -> None:
+            events.append(event)
+
+        tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(f"w{t}" for t in tokens))
+        metrics = SimpleNamespace(record_live_item=lambda *figures: None)
+        session = RealtimeSession("s", SessionConfig(turn_detection=None), RealtimeOptions(), None, tokenizer,
+                                  send=send, run_vad=None, metrics=metrics)
+        session.audio.append(np.zeros(32_000, np.float32))
+        finals = [asyncio.get_running_loop().create_future() for _ in range(2)]
+        for index, final in enumerate(finals):
+            segment = Segment(index * 16_000)
+            segment.final = final
+            await session._finish_item(Item(f"item_{index}", index * 16_000, [segment]), (index + 1) * 16_000)
+        assert not session.last_completion.done()  # what holds the open turn's interims back
+        finals[1].set_result(LiveDecode(token_ids=[9], logprobs=[-0.1], language="en", no_speech=False))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        finals[0].set_result(LiveDecode(token_ids=[7, 8], logprobs=[-0.1, -0.2], language="en", no_speech=False))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert session.last_completion.done()
+        return [(e["type"].rsplit(".", 1)[-1], e["item_id"]) for e in events
+                if e["type"].startswith("conversation.item.input_audio_transcription")]
+
+    assert asyncio.run(turns()) == [("delta", "item_0"), ("completed", "item_0"), ("delta", "item_1"),
+                                    ("completed", "item_1")]
+
+
 class _RecordingEngine:
     """An engine stand-in that hears nothing at once and keeps the audio of every decode."""
 

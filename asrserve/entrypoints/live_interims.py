@@ -38,8 +38,9 @@ async def interim_loop(session: RealtimeSession) -> None:
             segment, end = item.segments[-1], session.audio.end
             if (segment.final is not None or end - segment.start < MIN_INTERIM_SAMPLES
                     or end - segment.decoded_until < SAMPLE_RATE // 5
-                    or any(not s.emitted.done() for s in item.segments[:-1])):
-                continue  # a final runs, too little audio, too little new, or an earlier segment pending
+                    or any(not s.emitted.done() for s in item.segments[:-1])
+                    or (session.last_completion is not None and not session.last_completion.done())):
+                continue  # a final runs, too little audio, too little new, or an earlier segment or item pending
             segment.decoded_until = end
             try:
                 result = await live_decode.decode(

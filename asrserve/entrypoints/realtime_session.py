@@ -58,7 +58,7 @@ class RealtimeSession:
         self._vad_origin = 0
         self.tasks = SessionTasks()  # final decodes, their emission, completions: cancelled on close
         self._interim: asyncio.Task | None = None
-        self._last_completion: asyncio.Task | None = None  # items complete in commit order
+        self.last_completion: asyncio.Task | None = None  # items send text and complete in commit order
         self._start_vad()
 
     # --- client events --------------------------------------------------------------------
@@ -150,12 +150,8 @@ class RealtimeSession:
             self.vad = self.turns = None
             return
         self.vad = VADStream()
-        self.turns = self._turn_detector()
+        self.turns = TurnDetector(detection.threshold, detection.silence_duration_ms, self.options.pause_ms)
         self._vad_origin = self.audio.end
-
-    def _turn_detector(self) -> TurnDetector:
-        detection = self.config.turn_detection
-        return TurnDetector(detection.threshold, detection.silence_duration_ms, self.options.pause_ms)
 
     @property
     def _padding(self) -> int:
@@ -230,14 +226,14 @@ class RealtimeSession:
             await self._send_final_text(item, segment)
             await self._send_completed(item, end, committed_at)
         else:
-            self._last_completion = self.tasks.spawn(self._complete(item, end, committed_at, self._last_completion))
+            self.last_completion = self.tasks.spawn(self._complete(item, end, committed_at, self.last_completion))
 
     def _ready(self, item: Item) -> bool:
         """Whether the item's text can go out now: its final decode done, the segments before it
         sent, the items before it completed."""
         tasks = [item.segments[-1].final, *(s.emitted for s in item.segments[:-1])]
-        if self._last_completion is not None:
-            tasks.append(self._last_completion)
+        if self.last_completion is not None:
+            tasks.append(self.last_completion)
         return all(t is not None and t.done() and not t.cancelled() and t.exception() is None for t in tasks)
 
     def _close_full_segment(self, item: Item) -> None:
@@ -267,11 +263,15 @@ class RealtimeSession:
         self.options.finals.track(segment.final)
 
     def _emit_final(self, item: Item, segment: Segment) -> None:
-        """Sends the segment's final text once the segments before it have sent theirs."""
+        """Sends the segment's final text once the segments and items before it have sent theirs
+        (livekit-agents adds deltas to one text until `completed`: a short turn overtaking broke it)."""
         index = item.segments.index(segment)
         before = item.segments[index - 1].emitted if index else None
+        earlier = None if index else self.last_completion
 
         async def emit() -> None:
+            if earlier is not None:
+                await asyncio.wait({earlier})  # however it ended
             if before is not None:
                 await before
             await segment.final
@@ -341,8 +341,8 @@ class RealtimeSession:
             return
         if self.item is not None and self.audio.end - self.item.start >= MIN_COMMIT_SAMPLES:
             await self._commit({})
-        if self._last_completion is not None:
-            await asyncio.wait({self._last_completion})
+        if self.last_completion is not None:
+            await asyncio.wait({self.last_completion})
 
     def close(self) -> list[asyncio.Task]:
         """The client left, or shutdown cannot wait: its decodes stop; returns the tasks it cancelled."""
