@@ -471,6 +471,20 @@ def test_interim_decodes_wait_while_a_final_decode_runs():
 
 
 
+def _manual_session() -> tuple[RealtimeSession, list[dict]]:
+    """A session with manual commits, no engine (its finals are set by the test), and the events it sends."""
+    events: list[dict] = []
+
+    async def send(event: dict) -> None:
+        events.append(event)
+
+    tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(f"w{t}" for t in tokens))
+    metrics = SimpleNamespace(record_live_item=lambda *figures: None)
+    session = RealtimeSession("s", SessionConfig(turn_detection=None), RealtimeOptions(), None, tokenizer,
+                              send=send, run_vad=None, metrics=metrics)
+    return session, events
+
+
 def test_a_turn_whose_final_is_done_completes_before_any_other_task_runs():
     """The final decode usually ends before the turn does (it starts at the first pause): then
     the turn's text and `completed` go out within the commit itself, with no task in between
@@ -480,15 +494,7 @@ def test_a_turn_whose_final_is_done_completes_before_any_other_task_runs():
     from asrserve.entrypoints.live_item import Item, Segment
 
     async def turn(final_done: bool) -> tuple[list[str], list[str]]:
-        events: list[dict] = []
-
-        async def send(event: dict) -> None:
-            events.append(event)
-
-        tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(f"w{t}" for t in tokens))
-        metrics = SimpleNamespace(record_live_item=lambda *figures: None)
-        session = RealtimeSession("s", SessionConfig(turn_detection=None), RealtimeOptions(), None, tokenizer,
-                                  send=send, run_vad=None, metrics=metrics)
+        session, events = _manual_session()
         session.audio.append(np.zeros(16_000, np.float32))
         segment = Segment(0)
         result = LiveDecode(token_ids=[7, 8], logprobs=[-0.1, -0.2], language="en", no_speech=False)
@@ -520,15 +526,7 @@ def test_a_later_turn_sends_its_text_only_after_the_turns_before_it_complete():
     from asrserve.entrypoints.live_item import Item, Segment
 
     async def turns() -> list[tuple[str, str]]:
-        events: list[dict] = []
-
-        async def send(event: dict) -> None:
-            events.append(event)
-
-        tokenizer = SimpleNamespace(decode=lambda tokens: " ".join(f"w{t}" for t in tokens))
-        metrics = SimpleNamespace(record_live_item=lambda *figures: None)
-        session = RealtimeSession("s", SessionConfig(turn_detection=None), RealtimeOptions(), None, tokenizer,
-                                  send=send, run_vad=None, metrics=metrics)
+        session, events = _manual_session()
         session.audio.append(np.zeros(32_000, np.float32))
         finals = [asyncio.get_running_loop().create_future() for _ in range(2)]
         for index, final in enumerate(finals):
