@@ -14,6 +14,12 @@ from pathlib import Path
 import httpx
 
 
+# The tests' client for plain-HTTP servers. httpx's top-level get/post build a client, and with it
+# a TLS context (~50 ms of CPU loading CA certificates), per call: on 2 cores that CPU came from the
+# server under test. No keep-alive, so each request has its own connection as top-level calls had.
+http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -37,6 +43,10 @@ class ServerProcess:
             cwd=Path(__file__).resolve().parents[1], start_new_session=new_session,
         )
         self.health_statuses: list[int] = []  # every /health status seen while starting
+        # The harness's own polls (/health, /metrics) with one client, as `http` below: over TLS
+        # too, which needs its own (the server's certificate is its own CA).
+        self.http = http if self.verify is True else httpx.Client(
+            verify=self.verify, limits=httpx.Limits(max_keepalive_connections=0))
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
@@ -44,7 +54,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
             try:
-                status = httpx.get(f"{self.url}/health", timeout=5, verify=self.verify).status_code
+                status = self.http.get(f"{self.url}/health", timeout=5).status_code
                 self.health_statuses.append(status)
                 if status == 200:
                     return self
@@ -83,7 +93,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, from /metrics."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify).text
+        text = self.http.get(f"{self.url}/metrics", timeout=10).text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -99,5 +109,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.http is not http:
+            self.http.close()
         self.log.close()
         os.unlink(self.log.name)

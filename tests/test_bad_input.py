@@ -18,7 +18,7 @@ import soxr
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
 from tests.conftest import require_ffmpeg
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, http
 from tests.test_server import _assert_error
 
 pytestmark = pytest.mark.slow
@@ -66,11 +66,11 @@ def then_good(server, speech, good_text):
     response = _post(server, files={"file": ("good.wav", speech)})
     assert response.status_code == 200, response.text
     assert response.json()["text"] == good_text
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert http.get(f"{server.url}/health").status_code == 200
 
 
 def _post(server, path: str = "transcriptions", **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/audio/{path}", timeout=120, **kwargs)
+    return http.post(f"{server.url}/v1/audio/{path}", timeout=120, **kwargs)
 
 
 def _encode(samples: np.ndarray, rate: int, fmt: str, subtype: str | None = None) -> bytes:

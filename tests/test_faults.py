@@ -30,7 +30,7 @@ from asrserve.engine.async_client import AsyncEngineClient, EngineDeadError
 from asrserve.engine.engine_process import EngineRequest
 from asrserve.engine.request import SamplingParams
 from benchmarks.overload import engine_idle
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, http
 from tests.test_server import _assert_error
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def _engine_idle(server: ServerProcess) -> dict[str, float]:
 
 
 def _transcribe(server: ServerProcess, path: Path, **data) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": path.read_bytes()}, data=data,
+    return http.post(f"{server.url}/v1/audio/transcriptions", files={"file": path.read_bytes()}, data=data,
                       timeout=120)
 
 
@@ -149,7 +149,7 @@ def test_an_upload_that_trickles_gets_408_and_frees_its_slot(server, speech_file
 def test_a_client_leaving_mid_stream_frees_the_engine(server, minute_of_speech, speech_files):
     before = server.metrics()
     aborted_before = before["asrserve_engine_requests_aborted_total"]
-    with httpx.stream(
+    with http.stream(
         "POST", f"{server.url}/v1/audio/transcriptions", files={"file": minute_of_speech.read_bytes()},
         data={"stream": "true"}, timeout=120,
     ) as response:
@@ -183,7 +183,7 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(minute_of_speech, speech
         stream_accepted = threading.Event()
 
         def streamed() -> str:
-            with httpx.stream(
+            with http.stream(
                 "POST", f"{process.url}/v1/audio/transcriptions", files={"file": minute_of_speech.read_bytes()},
                 data={"stream": "true", "temperature_fallback": "false"}, timeout=120,
             ) as response:
@@ -208,7 +208,7 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(minute_of_speech, speech
             time.sleep(0.5)
             # No new connections while draining: the load balancer's next probe fails at once.
             with pytest.raises(httpx.TransportError):
-                httpx.get(f"{process.url}/health", timeout=2)
+                http.get(f"{process.url}/health", timeout=2)
             assert plain.result().status_code == 200
             assert plain.result().json()["text"] == expected
             events = stream.result()
@@ -301,7 +301,7 @@ def test_sigterm_while_the_model_loads_stops_at_once():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # up, and loading
             try:
-                if httpx.get(f"{process.url}/health", timeout=2).status_code == 503:
+                if http.get(f"{process.url}/health", timeout=2).status_code == 503:
                     break
             except httpx.TransportError:
                 time.sleep(0.05)
@@ -322,7 +322,7 @@ def test_health_is_503_while_the_engine_is_hung_and_200_once_it_moves_on(minute_
     process = ServerProcess([*ON_CPU, "--dtype", "float32", "--engine-stall-timeout-s", "1"])
     try:
         process.wait_ready()
-        assert httpx.get(f"{process.url}/health").status_code == 200
+        assert http.get(f"{process.url}/health").status_code == 200
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(_transcribe, process, minute_of_speech)
             while process.metrics()["asrserve_num_requests_running"] == 0:
@@ -331,14 +331,14 @@ def test_health_is_503_while_the_engine_is_hung_and_200_once_it_moves_on(minute_
             os.kill(engine, signal.SIGSTOP)
             try:
                 deadline = time.monotonic() + 20
-                while (health := httpx.get(f"{process.url}/health")).status_code == 200:
+                while (health := http.get(f"{process.url}/health")).status_code == 200:
                     assert time.monotonic() < deadline, "still 200 with the engine stopped"
                     time.sleep(0.2)
                 assert health.status_code == 503 and health.json()["status"] == "stalled", health.text
             finally:
                 os.kill(engine, signal.SIGCONT)
             assert in_flight.result().status_code == 200
-        assert httpx.get(f"{process.url}/health").status_code == 200
+        assert http.get(f"{process.url}/health").status_code == 200
     finally:
         process.stop()
 
@@ -381,7 +381,7 @@ def test_health_is_503_while_loading_then_the_server_exits_when_the_engine_dies(
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and process.process.poll() is None:
             try:
-                health = httpx.get(f"{process.url}/health", timeout=2)
+                health = http.get(f"{process.url}/health", timeout=2)
             except httpx.TransportError:
                 break
             if health.status_code == 503:
@@ -652,22 +652,22 @@ def test_a_request_a_step_fails_on_gets_a_500_and_the_server_serves_the_next(spe
     process = ServerProcess([], env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"})
     try:
         process.wait_ready()
-        response = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": marked.read_bytes()},
+        response = http.post(f"{process.url}/v1/audio/transcriptions", files={"file": marked.read_bytes()},
                               timeout=60)
         _assert_error(response, 500)
         assert response.json()["error"]["type"] == "server_error"
         # Streamed, the 500 is the last event (the headers went out as 200), and is counted as one.
-        streamed = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": marked.read_bytes()},
+        streamed = http.post(f"{process.url}/v1/audio/transcriptions", files={"file": marked.read_bytes()},
                               data={"stream": "true"}, headers={"X-Request-Id": "trace-streamed-bug"}, timeout=60)
         assert streamed.status_code == 200
         last = json.loads(streamed.text.strip().split("\n\n")[-1].removeprefix("data: "))
         assert last["error"]["code"] == "internal_error", streamed.text
         failed = process.metrics()['asrserve_requests_total{endpoint="transcriptions",status="500"}']
         assert failed == 2
-        served = httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[0].read_bytes()},
+        served = http.post(f"{process.url}/v1/audio/transcriptions", files={"file": speech_files[0].read_bytes()},
                             timeout=60)
         assert served.status_code == 200 and served.json()["text"].strip()
-        assert httpx.get(f"{process.url}/health", timeout=5).status_code == 200
+        assert http.get(f"{process.url}/health", timeout=5).status_code == 200
         assert not any(engine_idle(process).values())
         assert process.metrics()["asrserve_engine_failed_steps_total"] == 2  # one a request
         logs = process.logs()

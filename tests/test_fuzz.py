@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import tracemalloc
 
-import httpx
 import numpy as np
 import pytest
 import soundfile
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 
 from asrserve.audio.decode import AudioError, load_audio
 from asrserve.config import SAMPLE_RATE
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, http
 
 MAX_DURATION_S = 30
 # The decoder's working memory: the 16 kHz result plus one block of decoded samples (4 MB) and
@@ -133,7 +132,7 @@ def server():
     try:
         process.wait_ready()
         chirp = seed_files()["wav16"]
-        httpx.post(f"{process.url}/v1/audio/transcriptions", files={"file": chirp}, timeout=60).raise_for_status()
+        http.post(f"{process.url}/v1/audio/transcriptions", files={"file": chirp}, timeout=60).raise_for_status()
         process.rss_before_fuzzing = process.tree_rss_bytes()
         yield process
     finally:
@@ -182,7 +181,7 @@ def multipart_bodies(draw) -> tuple[bytes, str]:
 def test_the_upload_endpoint_never_answers_5xx(server, request, path):
     body, content_type = request
     headers = {"content-type": content_type} if content_type else {}
-    response = httpx.post(f"{server.url}/v1/audio/{path}", content=body, headers=headers, timeout=60)
+    response = http.post(f"{server.url}/v1/audio/{path}", content=body, headers=headers, timeout=60)
     assert response.status_code < 500, (response.status_code, response.text, body[:300])
     if response.status_code >= 400:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -191,8 +190,8 @@ def test_the_upload_endpoint_never_answers_5xx(server, request, path):
 @pytest.mark.slow
 def test_after_fuzzing_the_server_is_healthy_and_small(server, speech_files):
     # Runs after the fuzz test in this module: nothing was left behind.
-    assert httpx.get(f"{server.url}/health").status_code == 200
-    response = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[1].read_bytes()},
+    assert http.get(f"{server.url}/health").status_code == 200
+    response = http.post(f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[1].read_bytes()},
                           timeout=60)
     assert response.status_code == 200 and "fox" in response.json()["text"].lower()
     metrics = server.metrics()

@@ -25,7 +25,7 @@ from asrserve.audio.chunking import DEFAULT_CHUNKING, cut_audio, split_audio
 from asrserve.audio.decode import load_audio
 from asrserve.config import SAMPLE_RATE
 from tests.conftest import SENTENCES
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, http
 
 API_KEYS = ["sk-test-one", "sk-test-two"]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -114,7 +114,7 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
 
 def _post(server, files=None, data=None, key: str | None = API_KEYS[0], path="transcriptions", **kwargs):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(
+    return http.post(
         f"{server.url}/v1/audio/{path}", files=files, data=data, headers=headers, timeout=120, **kwargs
     )
 
@@ -123,9 +123,9 @@ def _post(server, files=None, data=None, key: str | None = API_KEYS[0], path="tr
 
 
 def test_health_version_metrics_are_open(server):
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{server.url}/version").json()["version"]
-    metrics = httpx.get(f"{server.url}/metrics")
+    assert http.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert http.get(f"{server.url}/version").json()["version"]
+    metrics = http.get(f"{server.url}/metrics")
     assert metrics.status_code == 200 and "asrserve_kv_cache_blocks_total" in metrics.text
     # The pool's size is known once the model is loaded, before any request (this module's first test).
     total = [line for line in metrics.text.splitlines() if line.startswith("asrserve_kv_cache_blocks_total ")]
@@ -148,12 +148,12 @@ BAD_AUTH = [None, "Bearer wrong-key", "Bearer", f"Basic {API_KEYS[0]}", API_KEYS
 @pytest.mark.parametrize("header", BAD_AUTH)
 def test_v1_needs_a_valid_api_key(server, speech_files, header):
     headers = {"Authorization": header} if header is not None else {}
-    response = httpx.post(
+    response = http.post(
         f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[0].read_bytes()}, headers=headers
     )
     _assert_error(response, 401, code="invalid_api_key")
     assert response.headers["www-authenticate"] == "Bearer"
-    _assert_error(httpx.get(f"{server.url}/v1/models", headers=headers), 401)
+    _assert_error(http.get(f"{server.url}/v1/models", headers=headers), 401)
 
 
 def test_every_configured_key_works(server, speech_files):
@@ -260,7 +260,7 @@ def test_best_of_extension(client, server, speech_files):
 
 
 def test_raw_stream_is_sse_ending_with_done(server, speech_files):
-    with httpx.stream(
+    with http.stream(
         "POST", f"{server.url}/v1/audio/transcriptions", files={"file": speech_files[1].read_bytes()},
         data={"stream": "true"}, headers={"Authorization": f"Bearer {API_KEYS[0]}"}, timeout=60,
     ) as response:
@@ -492,13 +492,13 @@ def test_a_trailing_slash_is_served_not_redirected(server, speech_files, expecte
     WebSocket cannot follow) and no model named ""."""
     from websockets.sync.client import connect
 
-    health = httpx.get(f"{server.url}/health/")
+    health = http.get(f"{server.url}/health/")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
-    models = httpx.get(f"{server.url}/v1/models/", headers=headers)
+    models = http.get(f"{server.url}/v1/models/", headers=headers)
     assert models.status_code == 200 and models.json()["object"] == "list", models.text
     with open(speech_files[0], "rb") as audio:
-        response = httpx.post(f"{server.url}/v1/audio/transcriptions/", headers=headers, timeout=120,
+        response = http.post(f"{server.url}/v1/audio/transcriptions/", headers=headers, timeout=120,
                               files={"file": audio}, data={"model": "whisper-1"})
     assert response.status_code == 200, response.text
     assert response.json()["text"] == expected[0]
@@ -511,8 +511,8 @@ def test_a_trailing_slash_is_served_not_redirected(server, speech_files, expecte
 
 
 def test_unknown_routes_and_methods_use_the_error_shape(server):
-    _assert_error(httpx.get(f"{server.url}/v1/does-not-exist"), 404)
-    _assert_error(httpx.get(f"{server.url}/v1/audio/transcriptions"), 405)
+    _assert_error(http.get(f"{server.url}/v1/does-not-exist"), 404)
+    _assert_error(http.get(f"{server.url}/v1/audio/transcriptions"), 405)
 
 
 # --- long audio ----------------------------------------------------------------------------
@@ -639,7 +639,7 @@ def test_client_disconnect_aborts_engine_work(server, long_speech):
     aborted_before = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
 
     # Streamed: read the first delta, then hang up.
-    with httpx.stream(
+    with http.stream(
         "POST", f"{server.url}/v1/audio/transcriptions", files={"file": data}, data={"stream": "true"},
         headers=headers, timeout=60,
     ) as response:
@@ -649,7 +649,7 @@ def test_client_disconnect_aborts_engine_work(server, long_speech):
     # Not streamed: give up while the engine is still on it (the whole takes ~2 s on a quick
     # 2-core machine; its first pieces reach the engine ~0.2 s in).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": data}, headers=headers, timeout=0.6)
+        http.post(f"{server.url}/v1/audio/transcriptions", files={"file": data}, headers=headers, timeout=0.6)
 
     started = time.monotonic()
     metrics = _wait_idle(server)
@@ -671,9 +671,9 @@ def test_bad_audio_found_after_the_first_pieces_left(server, long_speech):
     soundfile.write(wav, broken, SAMPLE_RATE, format="WAV", subtype="FLOAT")
     url, headers = f"{server.url}/v1/audio/transcriptions", {"Authorization": f"Bearer {API_KEYS[0]}"}
     aborted_before = server.metrics().get("asrserve_engine_requests_aborted_total", 0)
-    response = httpx.post(url, files={"file": wav.getvalue()}, headers=headers, timeout=60)
+    response = http.post(url, files={"file": wav.getvalue()}, headers=headers, timeout=60)
     assert "NaN" in _assert_error(response, 400, "file", "invalid_audio")["message"]
-    streamed = httpx.post(url, files={"file": wav.getvalue()}, data={"stream": "true"}, headers=headers, timeout=60)
+    streamed = http.post(url, files={"file": wav.getvalue()}, data={"stream": "true"}, headers=headers, timeout=60)
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert streamed.status_code == 200 and "error" in events[-1] and "NaN" in events[-1]["error"]["message"]
     assert events[-1]["error"]["code"] == "invalid_audio" and events[-1]["error"]["param"] == "file"
@@ -787,6 +787,6 @@ def test_no_cors_headers_without_allowed_origins(server):
         "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization"})
     assert "access-control-allow-origin" not in preflight.headers
-    models = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
+    models = http.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
                                                             "Authorization": f"Bearer {API_KEYS[0]}"})
     assert models.status_code == 200 and "access-control-allow-origin" not in models.headers

@@ -28,7 +28,7 @@ from asrserve.config import SAMPLE_RATE, EngineConfig, ServerConfig
 from asrserve.entrypoints.api_server import build_app
 from asrserve.entrypoints.transcription_job import IncrementalText
 from tests.conftest import synthesize
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, http
 from tests.test_server import _assert_error
 
 # --- limits, configured through ASRSERVE_* variables only --------------------------------------
@@ -60,14 +60,14 @@ def _wav_bytes(seconds: float, rate: int = SAMPLE_RATE) -> bytes:
 
 
 def test_environment_configures_the_server(limited_server):
-    models = httpx.get(f"{limited_server.url}/v1/models").json()
+    models = http.get(f"{limited_server.url}/v1/models").json()
     assert [model["id"] for model in models["data"]] == ["small-box", "whisper-1"]
 
 
 def test_oversized_upload_is_refused_with_413(limited_server):
     url = f"{limited_server.url}/v1/audio/transcriptions"
     big = _wav_bytes(20.0)  # 1.3 MB of 32-bit float wav, over the 0.5 MB limit
-    _assert_error(httpx.post(url, files={"file": ("big.wav", big)}), 413, "file", "file_too_large")
+    _assert_error(http.post(url, files={"file": ("big.wav", big)}), 413, "file", "file_too_large")
 
     # Without a Content-Length the limit applies while reading: the server answers 413 long
     # before the client could finish sending 200 MB.
@@ -79,14 +79,14 @@ def test_oversized_upload_is_refused_with_413(limited_server):
 
     started = time.monotonic()
     try:
-        response = httpx.post(
+        response = http.post(
             url, content=endless(), headers={"content-type": "multipart/form-data; boundary=b"}, timeout=30
         )
         _assert_error(response, 413, "file", "file_too_large")
     except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
         pass  # the server answered and closed while we were still sending: refused as well
     assert time.monotonic() - started < 20
-    assert httpx.get(f"{limited_server.url}/health").status_code == 200
+    assert http.get(f"{limited_server.url}/health").status_code == 200
 
 
 def test_audio_over_the_duration_limit_is_400(limited_server):
@@ -94,16 +94,16 @@ def test_audio_over_the_duration_limit_is_400(limited_server):
     compressed = io.BytesIO()
     t = np.arange(10 * SAMPLE_RATE) / SAMPLE_RATE
     soundfile.write(compressed, (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), SAMPLE_RATE, format="FLAC")
-    error = _assert_error(httpx.post(url, files={"file": ("long.flac", compressed.getvalue())}), 400, "file")
+    error = _assert_error(http.post(url, files={"file": ("long.flac", compressed.getvalue())}), 400, "file")
     assert error["code"] == "audio_too_long" and "at most 8 s" in error["message"]
-    assert httpx.post(url, files={"file": ("ok.wav", _wav_bytes(2.0))}).status_code == 200
+    assert http.post(url, files={"file": ("ok.wav", _wav_bytes(2.0))}).status_code == 200
 
 
 def test_over_the_waiting_bound_is_429_with_retry_after(limited_server, speech_files):
     url = f"{limited_server.url}/v1/audio/transcriptions"
     audio = speech_files[6].read_bytes()
     with ThreadPoolExecutor(12) as pool:
-        responses = list(pool.map(lambda _: httpx.post(url, files={"file": audio}, timeout=120), range(12)))
+        responses = list(pool.map(lambda _: http.post(url, files={"file": audio}, timeout=120), range(12)))
     statuses = [response.status_code for response in responses]
     assert set(statuses) <= {200, 429}, statuses
     assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
@@ -111,7 +111,7 @@ def test_over_the_waiting_bound_is_429_with_retry_after(limited_server, speech_f
         if response.status_code == 429:
             _assert_error(response, 429, code="server_busy")
             assert int(response.headers["retry-after"]) >= 1
-    assert httpx.post(url, files={"file": audio}, timeout=120).status_code == 200  # and it recovers
+    assert http.post(url, files={"file": audio}, timeout=120).status_code == 200  # and it recovers
 
 
 def test_audio_in_flight_is_bounded_and_a_lone_request_always_goes_in(speech_audio):
@@ -130,7 +130,7 @@ def test_audio_in_flight_is_bounded_and_a_lone_request_always_goes_in(speech_aud
         url = f"{process.wait_ready().url}/v1/audio/transcriptions"
         twelve = wav(12.0)
         with ThreadPoolExecutor(8) as pool:  # any two together pass the 20 s
-            responses = list(pool.map(lambda _: httpx.post(url, files={"file": twelve}, timeout=120), range(8)))
+            responses = list(pool.map(lambda _: http.post(url, files={"file": twelve}, timeout=120), range(8)))
         statuses = [response.status_code for response in responses]
         assert set(statuses) == {200, 429}, statuses
         for response in responses:
@@ -138,7 +138,7 @@ def test_audio_in_flight_is_bounded_and_a_lone_request_always_goes_in(speech_aud
                 error = _assert_error(response, 429, code="server_busy")
                 assert "in flight" in error["message"] and int(response.headers["retry-after"]) >= 1
         assert process.metrics()["asrserve_audio_seconds_in_flight"] == 0
-        alone = httpx.post(url, files={"file": wav(25.0)}, data={"stream": "true"}, timeout=120)
+        alone = http.post(url, files={"file": wav(25.0)}, data={"stream": "true"}, timeout=120)
         assert alone.status_code == 200 and "transcript.text.done" in alone.text  # 25 s > 20 s, alone
         assert process.metrics()["asrserve_audio_seconds_in_flight"] == 0
     finally:
@@ -173,7 +173,7 @@ def test_audio_in_flight_follows_files_read_while_their_pieces_decode(speech_aud
             watcher.start()
             with ThreadPoolExecutor(3) as pool:
                 responses = list(pool.map(
-                    lambda _: httpx.post(url, files={"file": webm}, data={"stream": stream}, timeout=300), range(3)))
+                    lambda _: http.post(url, files={"file": webm}, data={"stream": stream}, timeout=300), range(3)))
             done.set()
             watcher.join()
             # Charged as read (one ~65 s decode block at a time), settled at the end without a
@@ -221,7 +221,7 @@ def test_an_hour_long_mp3_at_the_default_limits_keeps_its_times(speech_audio):
     assert len(mp3) < 25 * 1024 * 1024
     process = ServerProcess([])
     try:
-        response = httpx.post(f"{process.wait_ready().url}/v1/audio/transcriptions", files={"file": mp3},
+        response = http.post(f"{process.wait_ready().url}/v1/audio/transcriptions", files={"file": mp3},
                               data={"response_format": "srt"}, timeout=600)
         assert response.status_code == 200, response.text
         cues = re.findall(r"(\d\d):(\d\d):(\d\d),\d{3} --> [^\n]+\n([^\n]+)", response.text)
@@ -300,7 +300,7 @@ def test_translation_and_language_detection(base_server, tmp_path):
     assert verbose.task == "translate" and verbose.language == "english" and verbose.segments
     assert verbose.text == " ".join(s.text.strip() for s in verbose.segments)
     assert len(set(re.findall(r"[a-z]+", verbose.text.lower())) & ENGLISH_WORDS) >= 2, verbose.text
-    response = httpx.post(
+    response = http.post(
         f"{base_server.url}/v1/audio/transcriptions", files={"file": german.read_bytes()}, data={"language": "xx"}
     )
     _assert_error(response, 400, "language")
@@ -337,13 +337,13 @@ def test_silence_on_a_multilingual_model_still_names_a_language(base_server):
     for audio in (np.zeros(5 * SAMPLE_RATE, np.float32), noise):
         wav = io.BytesIO()
         soundfile.write(wav, audio, SAMPLE_RATE, format="WAV")
-        response = httpx.post(f"{base_server.url}/v1/audio/transcriptions", files={"file": wav.getvalue()},
+        response = http.post(f"{base_server.url}/v1/audio/transcriptions", files={"file": wav.getvalue()},
                               data={"response_format": "verbose_json"}, timeout=120)
         assert response.status_code == 200, response.text
         body = TranscriptionVerbose.model_validate(response.json())
         assert body.language == "english" and body.text == ""
         # Listing the languages the audio may be in, the one named is among them (it said english).
-        response = httpx.post(f"{base_server.url}/v1/audio/transcriptions", files={"file": wav.getvalue()},
+        response = http.post(f"{base_server.url}/v1/audio/transcriptions", files={"file": wav.getvalue()},
                               data={"response_format": "verbose_json", "languages[]": ["fr", "de"]}, timeout=120)
         assert response.status_code == 200, response.text
         assert response.json()["language"] in ("french", "german") and response.json()["text"] == ""
