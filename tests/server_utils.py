@@ -43,8 +43,8 @@ class ServerProcess:
             cwd=Path(__file__).resolve().parents[1], start_new_session=new_session,
         )
         self.health_statuses: list[int] = []  # every /health status seen while starting
-        # The harness's own polls (/health, /metrics) with one client, as `http` below: over TLS
-        # too, which needs its own (the server's certificate is its own CA).
+        # The harness's own polls (/health, /metrics) through `http` above; a server over TLS gets a
+        # client of its own, which trusts its certificate (the certificate is its own CA).
         self.http = http if self.verify is True else httpx.Client(
             verify=self.verify, limits=httpx.Limits(max_keepalive_connections=0))
 
