@@ -17,7 +17,8 @@ import httpx
 # The tests' client for plain-HTTP servers. httpx's top-level get/post build a client, and with it
 # a TLS context (~50 ms of CPU loading CA certificates), per call: on 2 cores that CPU came from the
 # server under test. No keep-alive, so each request has its own connection as top-level calls had.
-http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+NO_KEEP_ALIVE = httpx.Limits(max_keepalive_connections=0)
+http = httpx.Client(limits=NO_KEEP_ALIVE)
 
 
 def free_port() -> int:
@@ -46,7 +47,7 @@ class ServerProcess:
         # The harness's own polls (/health, /metrics) through `http` above; a server over TLS gets a
         # client of its own, which trusts its certificate (the certificate is its own CA).
         self.http = http if self.verify is True else httpx.Client(
-            verify=self.verify, limits=httpx.Limits(max_keepalive_connections=0))
+            verify=self.verify, limits=NO_KEEP_ALIVE)
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout

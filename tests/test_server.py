@@ -690,13 +690,13 @@ def test_health_stays_fast_under_load(server, long_speech):
 
     async def run():
         headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120) as streams:
             started = asyncio.Event()
             first_deltas = 0
 
             async def transcribe():
                 nonlocal first_deltas
-                async with http.stream(
+                async with streams.stream(
                     "POST", f"{server.url}/v1/audio/transcriptions", files={"file": data},
                     data={"stream": "true"}, headers=headers,
                 ) as response:
