@@ -178,7 +178,7 @@ class EngineLoop:
                 message = self.messages.get(block=block, timeout=timeout)
             except queue.Empty:
                 if block:  # idle that long
-                    self.core.runner.release_idle_memory()
+                    self.core.runner.release_idle_memory(kv_pool_unused=self.core.block_manager.num_used_blocks == 0)
                     self._memory_released = True
                     continue
                 message = None

@@ -21,7 +21,7 @@ from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pa
 from asrserve.model.rounded_logits import ExactLogits
 from asrserve.worker import cpu_sampling, draft_rows
 from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
-from asrserve.worker.heap import keep_freed_memory_mapped, return_freed_memory
+from asrserve.worker.heap import keep_freed_memory_mapped, release_pages, return_freed_memory, zeroed_pages
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
 from asrserve.worker.sampler import Sampler, SamplerOutput, to_device
@@ -121,14 +121,15 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_kv_blocks = self._num_kv_blocks(config)
         # Zeroed, not empty: padded block-table entries gather masked but real memory, and a
-        # NaN there would leak through the masked softmax. With decode graphs, one block more
-        # than the block manager hands out: where their padding rows write.
+        # NaN there would leak through the masked softmax. On CPU, pages the OS zeroes as they
+        # are first written (zeroed_pages). With decode graphs, one block more than the block
+        # manager hands out: where their padding rows write.
         scratch_blocks = 1 if self.uses_decode_graphs else 0
+        shape = self.kv_cache_shape(self.num_kv_blocks + scratch_blocks)
         try:
-            self.kv_cache = torch.zeros(
-                self.kv_cache_shape(self.num_kv_blocks + scratch_blocks), dtype=dtype, device=device
-            )
-        except (RuntimeError, MemoryError) as error:  # a pool sized past the memory there is
+            self.kv_cache = zeroed_pages(shape, dtype) if device.type == "cpu" else torch.zeros(
+                shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError, OSError) as error:  # a pool sized past the memory there is
             size_gb = (self.num_kv_blocks + scratch_blocks) * self.kv_block_bytes / (1 << 30)
             raise ValueError(f"the KV cache of {self.num_kv_blocks} blocks ({size_gb:.1f} GiB) could not be "
                              f"allocated on {device}: {str(error).splitlines()[0]}") from None
@@ -142,10 +143,14 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory_mapped()
 
-    def release_idle_memory(self) -> None:
-        """The engine has nothing to do: hand the freed heap back (CPU only)."""
+    def release_idle_memory(self, kv_pool_unused: bool) -> None:
+        """The engine has nothing to do: hand the freed heap back, and, where no block of the KV
+        pool is in use, the pool's pages too: they read as zeros again (CPU only). A burst
+        wrote most of the pool, which otherwise stayed resident for the life of the process."""
         if self.device.type == "cpu":
             return_freed_memory()
+            if kv_pool_unused:
+                release_pages(self.kv_cache)
 
     # --- sizing the KV pool -----------------------------------------------------------
 
