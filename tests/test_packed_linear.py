@@ -61,6 +61,7 @@ def test_rows_have_the_same_bits_at_every_batch_size(shape):
 
 @needs_onednn
 def test_a_kernel_whose_rows_depend_on_the_batch_is_not_used(monkeypatch):
+    monkeypatch.setenv("ASRSERVE_KERNEL_CHECK_CACHE", "0")  # (the real kernel's answers are kept on disk)
     exact = packed_linear.packed_linear
 
     def batch_dependent(x, packed, bias):  # rounding that moves with the row count
@@ -160,3 +161,40 @@ def test_a_packed_model_refuses_to_be_moved_or_cast():
     assert pack_linears(model)
     with pytest.raises(RuntimeError, match="cannot be moved or cast"):
         model.to(torch.bfloat16)
+
+
+@needs_onednn
+def test_a_check_s_answer_is_kept_for_the_next_process_and_keyed_by_what_decides_it(monkeypatch, tmp_path):
+    from asrserve.model import cpu_kernels
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernels.cache_dir.cache_clear()
+    checks = []
+    real_check = packed_linear._check_kernel
+    monkeypatch.setattr(packed_linear, "_check_kernel", lambda *args: checks.append(args) or real_check(*args))
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(2):  # two processes: the second reads the first's answer
+            packed_linear.kernel_rows_independent.cache_clear()
+            assert packed_linear.kernel_rows_independent(48, 40, True, 64)
+        assert len(checks) == 1 and len(list(tmp_path.glob("asrserve/kernels/check-rows-independent-*"))) == 1
+        # A planted "no" is read back as no: the answer on disk, not a rerun, decides.
+        (kept,) = tmp_path.glob("asrserve/kernels/check-rows-independent-*")
+        kept.write_text("0")
+        packed_linear.kernel_rows_independent.cache_clear()
+        assert not packed_linear.kernel_rows_independent(48, 40, True, 64) and len(checks) == 1
+        # Another thread count (oneDNN may split sums by thread), shape or dtype is checked anew.
+        torch.set_num_threads(threads + 1)
+        packed_linear.kernel_rows_independent.cache_clear()
+        assert packed_linear.kernel_rows_independent(48, 40, True, 64) and len(checks) == 2
+        torch.set_num_threads(threads)
+        packed_linear.kernel_rows_independent.cache_clear()
+        packed_linear.kernel_rows_independent(48, 40, False, 64)
+        assert len(checks) == 3
+        monkeypatch.setenv("ASRSERVE_KERNEL_CHECK_CACHE", "0")  # off: every process checks
+        packed_linear.kernel_rows_independent.cache_clear()
+        assert packed_linear.kernel_rows_independent(48, 40, True, 64) and len(checks) == 4
+    finally:
+        torch.set_num_threads(threads)
+        packed_linear.kernel_rows_independent.cache_clear()
+        cpu_kernels.cache_dir.cache_clear()

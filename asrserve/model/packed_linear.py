@@ -23,7 +23,8 @@ A lone row goes through as two (packed_linear): on AVX-512 CPUs oneDNN computes 
 matrix-vector kernel that sums in another order than its matrix kernel.
 
 Row independence is a property of the kernel oneDNN picks for this CPU, not a documented
-promise, so it is checked for every weight shape before packing, once per shape and process
+promise, so it is checked for every weight shape before packing, once per shape (kernel_checks
+keeps each answer on disk for the next process on this machine and torch build)
 (row counts up to 1500 against the same rows of a 3000-row product, up to 128 of a 256-row
 one for the output projection, two of them at the far end of the batch; and the product
 against F.linear).
@@ -39,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asrserve.model import cpu_linear, cpu_linear_int8
+from asrserve.model import cpu_linear, cpu_linear_int8, kernel_checks
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +190,24 @@ def kernel_rows_independent(out_features: int, in_features: int, has_bias: bool,
                             dtype: torch.dtype = torch.float32) -> bool:
     """rows_independent_of_batch for oneDNN's kernel of this shape and dtype, over random
     weights: a property of the kernel this CPU gets, so each process checks a shape once (every
-    engine of a test run, or a server's model and its second engine, shares the answer)."""
+    engine of a test run, or a server's model and its second engine, shares the answer), and
+    the answer is kept on disk for the processes after it (kernel_checks)."""
+    arguments = (out_features, in_features, has_bias, largest_rows, str(dtype))
+    answer = kernel_checks.remembered("rows-independent", _check_code(), arguments)
+    if answer is None:
+        answer = _check_kernel(out_features, in_features, has_bias, largest_rows, dtype)
+        kernel_checks.remember("rows-independent", _check_code(), arguments, answer)
+    return answer
+
+
+@functools.cache
+def _check_code() -> bytes:
+    """This module's source: a change to the check (its row counts, its tolerance) is a new key."""
+    return Path(__file__).read_bytes()
+
+
+def _check_kernel(out_features: int, in_features: int, has_bias: bool, largest_rows: int,
+                  dtype: torch.dtype) -> bool:
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
