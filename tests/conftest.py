@@ -16,6 +16,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from asrserve.audio.decode import load_audio
+from asrserve.worker.cpu_quota import usable_cpus
+
+if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))) and not os.environ.get("OMP_NUM_THREADS"):
+    # pytest -n N (README): each worker, and every server and CLI it starts (they take
+    # OMP_NUM_THREADS: cpu_quota), gets its share of the cores. A team of threads as large as
+    # the machine in each worker oversubscribed it: the suite ran slower on 2 workers than on 1.
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // _workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from benchmarks.workloads import have_espeak, speak
 
