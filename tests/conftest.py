@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from asrserve.audio.decode import load_audio
+from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from asrserve.worker.cpu_quota import usable_cpus
+from benchmarks.workloads import have_espeak, speak
 
 if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))) and not os.environ.get("OMP_NUM_THREADS"):
     # pytest -n N (README): each worker, and every server and CLI it starts (they take
@@ -24,8 +26,6 @@ if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))) and not o
     # the machine in each worker oversubscribed it: the suite ran slower on 2 workers than on 1.
     os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // _workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-from asrserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from benchmarks.workloads import have_espeak, speak
 
 SHARED_AUDIO = Path(__file__).resolve().parents[2] / "shared" / "audio"
 
