@@ -10,15 +10,15 @@ import torch
 
 from asrserve.engine.engine_core import EngineCore
 from asrserve.worker.heap import release_pages, zeroed_pages
+from benchmarks.idle_memory import rss_mb
 from tests.conftest import engine_config
 
 
 def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
+    return int(rss_mb(os.getpid()) * (1 << 20))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
 def test_zeroed_pages_are_zeros_committed_only_where_written():
     before = _resident_bytes()
     pool = zeroed_pages((64, 1024, 1024), torch.float32)  # 256 MiB

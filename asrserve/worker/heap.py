@@ -54,7 +54,7 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     the first second, though a few requests touch a few of its blocks. Still zeros, not
     garbage: padded block-table entries read masked but real memory. A mapping larger than the
     OS will ever give (its overcommit heuristic) fails here with OSError, as malloc would."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # (frombuffer keeps `mapping` alive as long as any view of the tensor is)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
