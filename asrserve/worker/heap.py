@@ -8,8 +8,10 @@ import functools
 import math
 import mmap
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (torch only where the KV pool lives: the API process imports this module too)
+    import torch
 
 M_TOP_PAD = -2  # mallopt's parameter: how much freed memory above the heap's top stays mapped
 
@@ -54,6 +56,8 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     the first second, though a few requests touch a few of its blocks. Still zeros, not
     garbage: padded block-table entries read masked but real memory. A mapping larger than the
     OS will ever give (its overcommit heuristic) fails here with OSError, as malloc would."""
+    import torch
+
     nbytes = math.prod(shape) * dtype.itemsize
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # (frombuffer keeps `mapping` alive as long as any view of the tensor is)
