@@ -16,7 +16,7 @@ MODEL_HELP = (
 )
 
 
-def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True, streams: bool = False) -> None:
     group = parser.add_argument_group("model and engine")
     if model_flag:
         group.add_argument("--model", "-m", default=None, help=MODEL_HELP)
@@ -42,6 +42,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="requests decoded together per step (default: 256 on CUDA, 64 on CPU)")
     group.add_argument("--max-encoder-batch", type=int, default=None, help="audios per encoder forward (CPU 1, CUDA 8)")
+    if streams:
+        group.add_argument("--encoder-time-share", type=float, default=None,
+                           help="while streamed requests decode, the most of the engine's time that steps encoding "
+                           "long uploads' later pieces may take, so that a backlog of audio does not hold up a "
+                           "stream's first text (default: 0.75 on CPU, 1 on CUDA; 1: no limit)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="memory for the KV pool")
@@ -171,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                       help="log one line per HTTP request")
-    _add_engine_args(serve, model_flag=False)
+    _add_engine_args(serve, model_flag=False, streams=True)
     # (Judged only when serve runs: a Kubernetes Service named asrserve sets ASRSERVE_PORT to
     # tcp://..., which must not stop `asrserve transcribe` beside it.)
     _defaults_from_environment(serve)
@@ -298,7 +303,8 @@ def _serve(args: argparse.Namespace) -> int:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 gpu_memory_utilization=args.gpu_memory_utilization,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_encoder_batch=args.max_encoder_batch,
+                                      encoder_time_share=args.encoder_time_share),
         )
     except ValueError as error:
         print(f"asrserve serve: error: {_as_flags(str(error), vars(args))}", file=sys.stderr)

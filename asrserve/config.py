@@ -155,10 +155,18 @@ class SchedulerConfig:
     # time (engine.waiting_queue). None: on CPU, where a step's time grows with its rows (each
     # reads its audio's whole cross-attention K/V); not on CUDA, where rows beside it cost little.
     finals_alone: bool | None = None
+    # While streamed requests decode, the most of the engine's time that steps encoding a stream's
+    # later pieces take (engine.waiting_queue); 1 lets every step take an audio. None: 0.75 on CPU, where one
+    # 30 s window costs as much as dozens of decode steps and a backlog of pieces held every
+    # running decode (a stream's first text) to a token per forward (two 15-minute streams: first
+    # text 12-13 s -> 3.6-5.5 s, 6% more wall time; 0.5: 2-4 s, 22% more); 1 on CUDA (not measured).
+    encoder_time_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.batch_admit_interval_s < 0:
             raise ValueError("batch_admit_interval_s must be >= 0")
+        if self.encoder_time_share is not None and not 0 < self.encoder_time_share <= 1:
+            raise ValueError(f"encoder_time_share must be in (0, 1], got {self.encoder_time_share}")
         for name in ("max_num_seqs", "max_encoder_batch", "interactive_encoder_batch", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -184,6 +192,8 @@ def resolve_scheduler(config: SchedulerConfig, device: "torch.device") -> Schedu
         config = replace(config, interactive_encoder_batch=1 if device.type == "cpu" else config.max_encoder_batch)
     if config.finals_alone is None:
         config = replace(config, finals_alone=device.type == "cpu")
+    if config.encoder_time_share is None:
+        config = replace(config, encoder_time_share=0.75 if device.type == "cpu" else 1.0)
     return config
 
 

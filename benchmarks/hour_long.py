@@ -14,7 +14,8 @@ adds faster-whisper's sequential long-form decoding of the same hour (int8, 2 th
 its defaults otherwise) as the accuracy and speed reference. --copies 1 sends the ~15 minutes
 once; --stream asks for server-sent text deltas (stream=true) and also reports the time to the
 first delta; --server-args adds `asrserve serve` arguments; --uploads N posts the file N times
-at once (throughput: RTFx over all N, WER of the first, whether all N texts are the same).
+at once (throughput: RTFx over all N, WER of the first, whether all N texts are the same; with
+--stream, each upload's time to its first delta).
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def asrserve_http(model: str, mp3: bytes, seconds: float, reference: str, respon
             row["same_text"] = len({result[0]["text"] for result in results}) == 1
         if first_delta is not None:
             row["first_delta_s"] = round(first_delta, 2)
+            if uploads > 1:  # each upload's, in the order they were posted
+                row["first_delta_s_each"] = [round(result[1], 2) for result in results]
         if "segments" in body:
             segments = body["segments"]
             row["segments"] = len(segments)

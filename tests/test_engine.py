@@ -51,6 +51,46 @@ def test_tokens_do_not_depend_on_the_batch(tiny_en_engine, speech_audio, alone_t
     assert_idle_and_clean(tiny_en_engine)
 
 
+def test_beside_streamed_decodes_encoder_steps_take_at_most_their_share_of_a_cpu(tiny_en_engine, speech_audio):
+    """On CPU, after a step with an encoder forward, a stream's later pieces go in only once
+    decode-only steps have run a third as long (encoder_time_share 0.75): with one audio a step,
+    every step carried a forward while pieces waited, and the running decodes advanced a token
+    per forward (a stream's first text waited for the whole backlog)."""
+    import time
+
+    share = tiny_en_engine.scheduler.config.encoder_time_share
+    assert share == 0.75
+    steps: list[tuple[float, int, int]] = []  # (when scheduled, audios encoded, sequences decoding before)
+    schedule = tiny_en_engine.scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        encoded = len(output.encoder_requests)
+        steps.append((time.perf_counter(), encoded, len(output.scheduled) - encoded))
+        return output
+
+    tiny_en_engine.scheduler.schedule = recorded
+    try:  # a long upload's pieces, ~15 s of speech each: decodes long enough to run beside the next forwards
+        for i in range(4):
+            tiny_en_engine.add_request(f"piece-{i}", np.concatenate(speech_audio[i:i + 4]),
+                                       sampling_params=SamplingParams(follows_earlier_text=i > 0))
+        run_to_completion(tiny_en_engine)
+    finally:
+        del tiny_en_engine.scheduler.schedule
+    steps.append((time.perf_counter(), 0, 0))
+    admissions = [i for i, (_, encoded, _) in enumerate(steps) if encoded]
+    assert len(admissions) == 4
+    beside_decodes = 0
+    for this, following in zip(admissions, admissions[1:]):
+        if steps[following][2]:  # (with nothing decoding, the next audio goes in at once)
+            encoder_step = steps[this + 1][0] - steps[this][0]
+            decode_only = steps[following][0] - steps[this + 1][0]
+            assert decode_only >= 0.8 * encoder_step * (1 - share) / share, (encoder_step, decode_only)
+            beside_decodes += 1
+    assert beside_decodes >= 2
+    assert_idle_and_clean(tiny_en_engine)
+
+
 def _scores_by_request(engine, arrivals=(), steps_apart: int = 2) -> dict[str, tuple[list[float], float | None]]:
     """Each request's per-token log-probabilities and its P(no speech). arrivals: (id, audio)
     added one every steps_apart steps while the engine runs."""

@@ -728,3 +728,49 @@ def test_samples_that_need_the_whole_context_finish_in_the_smallest_pool(num_blo
     assert len(request.group.finished) == 2
     assert "b" in finished  # and the request behind it is served
     assert_nothing_held(scheduler)
+
+
+def test_beside_streamed_decodes_later_pieces_wait_for_the_encoder_s_share_of_time():
+    """encoder_time_share 0.5: beside streamed decodes, after a step that ran the encoder for T, a
+    later piece of a stream waits until decode-only steps have run T (a backlog of pieces held
+    every running decode, and so each stream's first text, to a token per encoder forward); a
+    first piece (a short file, or a long one's opening) goes ahead of it, as do live requests;
+    beside decodes whose text is sent whole, and with nothing decoding, nothing waits."""
+    now = [0.0]
+    blocks = BlockManager(800, 16, cross_len=1500)
+    config = SchedulerConfig(max_num_seqs=8, max_encoder_batch=1, encoder_time_share=0.5)
+    scheduler = Scheduler(config, blocks, EncoderCacheManager(1), FakeTokenizer(), max_model_len=448)
+    scheduler.waiting.clock = lambda: now[0]
+    later = SamplingParams(follows_earlier_text=True)
+
+    def timed_step() -> list[str]:
+        output = scheduler.schedule()
+        now[0] += 0.4 if output.encoder_requests else 0.01  # an encoder forward, or a decode step
+        scheduler.update(output, SamplerOutput([1000] * len(output.scheduled), [-0.1] * len(output.scheduled)))
+        return [r.request_id for r in output.encoder_requests]
+
+    scheduler.add(make_request("a"))
+    for name in ("a2", "a3"):
+        scheduler.add(make_request(name, params=later))
+    admitted: dict[str, float] = {}
+    while len(admitted) < 3:
+        started = now[0]
+        admitted |= dict.fromkeys(timed_step(), started)
+    # a's step ended at 0.4: decode-only steps until 0.8; a2's ended at ~1.2: until ~1.6.
+    assert admitted["a"] == 0 and 0.8 - 1e-9 <= admitted["a2"] < 0.82
+    assert 1.6 - 1e-9 <= admitted["a3"] < 1.64
+    # Inside a3's decode-only time: a4 waits; the first pieces queued behind it go first.
+    scheduler.add(make_request("a4", params=later))
+    scheduler.add(make_request("b"))
+    scheduler.add(Request("live", np.zeros(16000, np.float32), [SOT, NO_TIMESTAMPS], SamplingParams(), 224,
+                          interactive=True))
+    assert timed_step() == ["live"] and timed_step() == ["b"]
+    assert [r.request_id for r in scheduler.waiting] == ["a4"]
+    for name in ("a", "a2", "a3", "live", "b"):
+        scheduler.abort(name)
+    assert timed_step() == ["a4"]  # nothing decodes: at once, inside b's decode-only time
+    scheduler.abort("a4")
+    whole = [SamplingParams(stream_tokens=False), SamplingParams(stream_tokens=False, follows_earlier_text=True)]
+    for name, params in zip(("c", "c2", "c3"), (whole[0], whole[1], whole[1])):
+        scheduler.add(make_request(name, params=params))
+    assert [timed_step() for _ in range(3)] == [["c"], ["c2"], ["c3"]]  # text sent whole: back to back

@@ -390,6 +390,7 @@ def test_engine_settings_this_model_cannot_take_are_one_line():
     ("--realtime-idle-timeout-s", "0", "--realtime-idle-timeout-s must be positive"),  # was "the realtime timeout"
     ("--dtype", "float8", "dtype"),  # was a traceback from the engine process
     ("--device", "foo", "device 'foo' is not one asrserve runs on"),  # was seconds later, once the engine had started
+    ("--encoder-time-share", "0", "--encoder-time-share must be in (0, 1]"),
 ])
 def test_flag_values_that_would_break_the_server_are_refused_at_start(flag, value, named):
     """...with a line that names the flag the user gave, not the configuration field behind it."""

@@ -37,6 +37,15 @@ class BlockManager:
         heapq.heapify(self._self_heap)
         self._in_heap = [True] * num_blocks
 
+    def check_holds_one_request(self, max_model_len: int) -> None:
+        """The oldest request must always be able to advance: the pool holds one at full length."""
+        max_request_blocks = self.num_cross_blocks + self.blocks_for_tokens(max_model_len)
+        if self.num_blocks < max_request_blocks:
+            raise ValueError(
+                f"a KV pool of {self.num_blocks} blocks cannot hold one full-length request "
+                f"({max_request_blocks} blocks of {self.block_size} tokens): give it more blocks or memory"
+            )
+
     @property
     def num_free_blocks(self) -> int:
         return self._num_free

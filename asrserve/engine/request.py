@@ -37,16 +37,17 @@ class SamplingParams:
     # no_speech_prob above this and average logprob below logprob_threshold: the piece is
     # silence (its text is dropped). None: never.
     no_speech_threshold: float | None = None
-    # Never end at <|endoftext|> (it is banned): exactly max_tokens tokens. For benchmarks that
-    # need a fixed output length, as vLLM's ignore_eos.
+    # Never end at <|endoftext|> (it is banned): exactly max_tokens tokens (benchmarks; vLLM's ignore_eos).
     ignore_eos: bool = False
-    # Send each token as it is sampled (streamed transcriptions, live sessions). False: the
-    # tokens up to the first text token (the text has begun: the server stops counting the
-    # request as waiting and stamps its time to first token), then the whole decode with the
-    # finish. A non-streamed response reads only the end, and sending every token was, at 256
-    # requests stepping every 5 ms on a GPU, ~50,000 outputs a second for the server's event
-    # loop to route: its throughput over HTTP was a third of the engine's.
+    # Send each token as it is sampled (streamed transcriptions, live sessions). False: the tokens
+    # up to the first text token (the text has begun: the server stops counting the request as
+    # waiting and stamps its time to first token), then the whole decode with the finish. A
+    # non-streamed response reads only the end, and sending every token was, at 256 requests stepping
+    # every 5 ms on a GPU, ~50,000 outputs a second to route: HTTP throughput a third of the engine's.
     stream_tokens: bool = True
+    # A later piece of a streamed upload, or a continuation, whose text goes out after the text
+    # before it: beside streamed decodes it may wait (engine.waiting_queue, encoder_time_share).
+    follows_earlier_text: bool = False
     # Where the language is detected: the codes it may pick (OpenAI's `languages`); empty: any.
     languages: tuple[str, ...] = ()
     # Where the language is detected: the one to take instead when the detection is unsure
@@ -71,7 +72,6 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be between {MIN_SEED} and {MAX_SEED}, got {self.seed}")
-
 
     @classmethod
     def transcription(

@@ -14,7 +14,8 @@ newest sibling is dropped (its sample starts again later), or one without siblin
 preempted (blocks freed, back to the front of its class, recomputed on resumption). Then
 siblings start for requests with samples waiting, oldest first; then waiting requests are
 admitted in order while there is a sequence slot, room in this step's encoder batch and the
-encoder cache, and blocks for their cross-attention and prompt. A class's queue is never
+encoder cache, blocks for their cross-attention and prompt, and (file work beside streamed
+decodes) the encoder's share of time (waiting_queue). A class's queue is never
 skipped, so nothing starves; the pool always holds one full-length sequence, so the oldest
 request always advances. A greedy request given a draft (engine/draft.py) checks several of its
 guessed tokens in one step and takes as many as the decode agrees with."""
@@ -58,7 +59,7 @@ class Scheduler:
         self.encoder_cache = encoder_cache
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # decoder positions (448)
-        self.waiting = WaitingQueue(config.batch_admit_interval_s)
+        self.waiting = WaitingQueue(config.batch_admit_interval_s, encoder_time_share=config.encoder_time_share or 1.0)
         self.running: list[Request] = []  # requests and siblings in the decoder batch
         self.parked: list[Request] = []  # requests whose own sample is done, siblings decoding
         self.requests: dict[str, Request] = {}  # by the caller's id (siblings are not here)
@@ -66,12 +67,7 @@ class Scheduler:
         self.drafts = DraftCounts()
         self._arrivals = itertools.count()
         self._sibling_numbers = itertools.count()
-        max_request_blocks = block_manager.num_cross_blocks + math.ceil(max_model_len / block_manager.block_size)
-        if block_manager.num_blocks < max_request_blocks:
-            raise ValueError(
-                f"a KV pool of {block_manager.num_blocks} blocks cannot hold one full-length request "
-                f"({max_request_blocks} blocks of {block_manager.block_size} tokens): give it more blocks or memory"
-            )
+        block_manager.check_holds_one_request(max_model_len)
 
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
@@ -92,6 +88,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(freed_encoder_ids=self.encoder_cache.take_freed())
+        self.waiting.step_started()
         sit_out = self.config.finals_alone and self.waiting.batch_sits_out(self.running)  # file work (waiting_queue)
         # A sequence let go (preempted: waiting; dropped sibling: aborted) is no longer RUNNING.
         for request in list(self.running):
@@ -131,8 +128,9 @@ class Scheduler:
         if not self.waiting:
             return output
         urgent_running = any(r.urgent for r in self.running)  # (admissions only, not every step)
+        streaming = any(r.sampling_params.stream_tokens and not r.interactive for r in output.scheduled)
         while (
-            (request := self.waiting.next_admissible(interactive_running, urgent_running)) is not None
+            (request := self.waiting.next_admissible(interactive_running, urgent_running, streaming)) is not None
             and len(self.running) < self.config.max_num_seqs
             and len(output.encoder_requests) < encoder_budget
             and self.encoder_cache.num_free_slots > 0
@@ -151,6 +149,7 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
+        self.waiting.step_finished()
         for request in scheduler_output.encoder_requests:
             # Its cross-attention K/V is in its blocks: the next schedule tells the runner to drop it.
             self.encoder_cache.free(request.request_id)

@@ -13,7 +13,18 @@ Latency first, without starving either class:
   steps), so this bounds what file work adds to a live decode's latency, and guarantees file
   work a steady share (one window per interval; while finals decode, up to MAX_URGENT_HOLD_S
   later).
-- With no interactive request running, file requests are admitted as before, as many as fit.
+- With no interactive request running, file requests are admitted as many as fit, but a
+  later piece of a stream (follows_earlier_text), while streamed requests (stream_tokens: a
+  client reads their text as it comes) decode, waits until steps that run the encoder have
+  taken at most `encoder_time_share` of the time (step_started, step_finished): after a step
+  with encoder work that took T, until decode-only steps have run T * (1 - share) / share; a
+  first piece behind it goes ahead. On a CPU one 30 s window costs as much as dozens of decode
+  steps, and with a backlog of pieces (several long uploads at once) every step carried one:
+  running decodes advanced a token per encoder forward and a stream's first text waited for
+  nearly the whole backlog to be encoded. Short files are first pieces, each its own stream's
+  first text, and are never held (held, their time to first token went from 1.0 to 4.1 s at
+  concurrency 8); nor is anything beside decodes whose text is sent whole (json, offline),
+  for which the larger decode batches finish everything sooner.
 - The encoder batch (encoder_budget): while live decodes wait or run, and for LIVE_PAUSE_S
   after, interactive_encoder_batch audios a step (1 on CPU, whose encoder runs one audio after
   another), so a final decode that arrives waits behind at most that many other forwards.
@@ -47,8 +58,10 @@ LIVE_PAUSE_S = 2.0
 
 
 class WaitingQueue:
-    def __init__(self, batch_admit_interval_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, batch_admit_interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 encoder_time_share: float = 1.0):
         self.batch_admit_interval_s = batch_admit_interval_s
+        self.encoder_time_share = encoder_time_share
         self.clock = clock
         self.interactive: deque[Request] = deque()
         self.batch: deque[Request] = deque()
@@ -57,6 +70,8 @@ class WaitingQueue:
         self._live_until = -float("inf")  # the small encoder batch holds until then (LIVE_PAUSE_S)
         self._sat_out_since: float | None = None  # since when file sequences sit out finals' steps
         self._batch_runs_until = -float("inf")  # ... and until when they run, having sat out
+        self._encoder_step_began: float | None = None
+        self._decodes_alone_until = -float("inf")  # until then later pieces wait beside streamed decodes
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.interactive if request.interactive else self.batch
@@ -119,7 +134,20 @@ class WaitingQueue:
             self._sat_out_since = None
         return False
 
-    def next_admissible(self, interactive_running: bool, urgent_running: bool = False) -> Request | None:
+    def step_started(self) -> None:
+        """A step is being scheduled (an admission in it, pop, times it)."""
+        self._encoder_step_began = None
+
+    def step_finished(self) -> None:
+        """The step has ended: after one that ran the encoder, decode-only steps get their share."""
+        if self._encoder_step_began is not None:
+            now = self.clock()
+            took = now - self._encoder_step_began
+            self._decodes_alone_until = now + took * (1 - self.encoder_time_share) / self.encoder_time_share
+            self._encoder_step_began = None
+
+    def next_admissible(self, interactive_running: bool, urgent_running: bool = False,
+                        streaming: bool = False) -> Request | None:
         """The request to admit next, or None if none may be admitted in this step now.
         While an urgent request decodes, only urgent ones are admitted, for at most
         MAX_URGENT_HOLD_S: every admission puts an encoder forward into the running decodes'
@@ -141,16 +169,24 @@ class WaitingQueue:
             return None
         if interactive_running and self.clock() - self._last_batch_admission < self.batch_admit_interval_s:
             return None
+        held = streaming and self.batch[0].sampling_params.follows_earlier_text
+        if held and self.clock() < self._decodes_alone_until:
+            # streamed decodes' share of time (encoder_time_share); a stream's first piece goes ahead
+            return next((r for r in self.batch if not r.sampling_params.follows_earlier_text), None)
         return self.batch[0]
 
     def pop(self, request: Request) -> None:
         """Takes the request next_admissible returned out of the queue."""
+        if self._encoder_step_began is None and self.encoder_time_share < 1:
+            self._encoder_step_began = self.clock()  # this step runs the encoder
         if not request.urgent:
             self._held_since = None  # the next one held waits its own MAX_URGENT_HOLD_S
         if request.interactive:
             assert self.interactive[0] is request
             self.interactive.popleft()
             return
-        assert self.batch[0] is request
-        self.batch.popleft()
+        if self.batch[0] is request:
+            self.batch.popleft()
+        else:  # a stream's first piece, ahead of later pieces held back (next_admissible)
+            self.batch.remove(request)
         self._last_batch_admission = self.clock()

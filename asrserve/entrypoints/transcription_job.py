@@ -11,6 +11,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -134,7 +135,8 @@ class TranscriptionJob:
         # The prompt goes to every piece: they decode side by side, so none can take the text
         # of the piece before it as Whisper's sequential decoding does (continuations can).
         language = self._requested_language
-        requests = [self._request(piece.samples, language, self.prompt) for piece in pieces]
+        requests = [self._request(piece.samples, language, self.prompt, follows=bool(self.requests) or i > 0)
+                    for i, piece in enumerate(pieces)]
         self.requests += requests
         self.pieces += [PieceResult(piece.start_seconds, len(piece.samples) / SAMPLE_RATE, language=language)
                         for piece in pieces]
@@ -165,10 +167,11 @@ class TranscriptionJob:
         return True
 
     def _request(self, samples: np.ndarray, language: str | None, prompt: str | None,
-                 params: SamplingParams | None = None) -> EngineRequest:
+                 params: SamplingParams | None = None, follows: bool = True) -> EngineRequest:
+        """follows: not the audio's first piece (whose decode the stream's first text waits for)."""
         request_id = f"{self._prefix}-{next(self._next_piece)}"
-        return EngineRequest(request_id, samples, language, self.task, params or self.sampling_params, prompt,
-                             prompt_head=self.prompt_head)
+        params = replace(params or self.sampling_params, follows_earlier_text=follows)
+        return EngineRequest(request_id, samples, language, self.task, params, prompt, prompt_head=self.prompt_head)
 
     async def _continue(
         self, piece: PieceResult, samples: np.ndarray, depth: int, text_shown: bool = False
