@@ -128,7 +128,8 @@ class Scheduler:
         if not self.waiting:
             return output
         urgent_running = any(r.urgent for r in self.running)  # (admissions only, not every step)
-        streaming = any(r.sampling_params.stream_tokens and not r.interactive for r in output.scheduled)
+        decodes = len(output.scheduled)  # (those before this step's admissions; scanned only if needed)
+        streaming = lambda: WaitingQueue.streams_text(itertools.islice(output.scheduled, decodes))  # noqa: E731
         while (
             (request := self.waiting.next_admissible(interactive_running, urgent_running, streaming)) is not None
             and len(self.running) < self.config.max_num_seqs

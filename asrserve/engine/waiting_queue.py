@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from asrserve.config import SchedulerConfig
 from asrserve.engine.request import Request
@@ -134,6 +134,11 @@ class WaitingQueue:
             self._sat_out_since = None
         return False
 
+    @staticmethod
+    def streams_text(decodes: Iterable[Request]) -> bool:
+        """Whether any of these decodes is a file request whose text a client reads as it comes."""
+        return any(r.sampling_params.stream_tokens and not r.interactive for r in decodes)
+
     def step_started(self) -> None:
         """A step is being scheduled (an admission in it, pop, times it)."""
         self._encoder_step_began = None
@@ -147,7 +152,7 @@ class WaitingQueue:
             self._encoder_step_began = None
 
     def next_admissible(self, interactive_running: bool, urgent_running: bool = False,
-                        streaming: bool = False) -> Request | None:
+                        streaming: Callable[[], bool] = lambda: False) -> Request | None:
         """The request to admit next, or None if none may be admitted in this step now.
         While an urgent request decodes, only urgent ones are admitted, for at most
         MAX_URGENT_HOLD_S: every admission puts an encoder forward into the running decodes'
@@ -169,11 +174,12 @@ class WaitingQueue:
             return None
         if interactive_running and self.clock() - self._last_batch_admission < self.batch_admit_interval_s:
             return None
-        held = streaming and self.batch[0].sampling_params.follows_earlier_text
-        if held and self.clock() < self._decodes_alone_until:
-            # streamed decodes' share of time (encoder_time_share); a stream's first piece goes ahead
+        # streamed decodes' share of time (encoder_time_share); a stream's first piece goes ahead.
+        # streaming() scans the running rows: asked last, only while a later piece would be held.
+        head = self.batch[0]
+        if head.sampling_params.follows_earlier_text and self.clock() < self._decodes_alone_until and streaming():
             return next((r for r in self.batch if not r.sampling_params.follows_earlier_text), None)
-        return self.batch[0]
+        return head
 
     def pop(self, request: Request) -> None:
         """Takes the request next_admissible returned out of the queue."""
