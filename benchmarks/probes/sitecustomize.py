@@ -25,7 +25,8 @@ if os.environ.get("PROBE_INT8"):
             w = linear.weight.detach().float()
             scale = (w.abs().amax(1) / 127).clamp_min(1e-8)
             q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(q, linear.bias.detach().float() if linear.bias is not None else None)
+            bias = linear.bias.detach().float() if linear.bias is not None else None
+            self.packed = torch.ops.quantized.linear_prepack(q, bias)
             self.out_features = w.shape[0]
 
         def forward(self, x):
