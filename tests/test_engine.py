@@ -58,6 +58,8 @@ def test_beside_streamed_decodes_encoder_steps_take_at_most_their_share_of_a_cpu
     per forward (a stream's first text waited for the whole backlog)."""
     import time
 
+    if tiny_en_engine.device.type != "cpu":
+        pytest.skip("the encoder's share of time is 1 (off) on CUDA")
     share = tiny_en_engine.scheduler.config.encoder_time_share
     assert share == 0.75
     steps: list[tuple[float, int, int]] = []  # (when scheduled, audios encoded, sequences decoding before)

@@ -259,6 +259,7 @@ class _LocalEngine:
         self.streams: dict[str, RequestStream] = {}
         self.added: list[str] = []
         self.prompt_heads: list[str | None] = []
+        self.follows: list[bool] = []  # follows_earlier_text of each request added
 
     def add(self, requests):
         streams = []
@@ -269,6 +270,7 @@ class _LocalEngine:
             )
             self.added.append(request.request_id)
             self.prompt_heads.append(request.prompt_head)
+            self.follows.append(request.sampling_params.follows_earlier_text)
             streams.append(self.streams.setdefault(request.request_id, RequestStream(request.request_id)))
         return streams
 
@@ -338,6 +340,9 @@ def test_continuations_are_freed_when_the_job_finishes_or_is_aborted(tiny_en_eng
     text, engine, job = asyncio.run(scenario(None))
     num_pieces = len(_engine_pieces(audio).pieces)
     assert len(engine.added) > num_pieces  # this recording needs continuations
+    # Only the first piece is what a stream's first text waits for: later pieces and
+    # continuations may wait beside streamed decodes (encoder_time_share).
+    assert engine.follows == [False] + [True] * (len(engine.added) - 1)
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
     assert not core.scheduler.requests and not engine.streams
     assert min(_kept_in_order(passages, text)) >= 0.5

@@ -774,3 +774,34 @@ def test_beside_streamed_decodes_later_pieces_wait_for_the_encoder_s_share_of_ti
     for name, params in zip(("c", "c2", "c3"), (whole[0], whole[1], whole[1])):
         scheduler.add(make_request(name, params=params))
     assert [timed_step() for _ in range(3)] == [["c"], ["c2"], ["c3"]]  # text sent whole: back to back
+
+
+def test_first_pieces_going_ahead_hold_a_later_piece_at_most_max_later_piece_hold_s():
+    """Every admission ahead of a held later piece starts another hold: with a short file
+    arriving every step beside a stream, the upload's next piece (and the text a client is
+    reading mid-way) waited for as long as the flow lasted. It goes in once held for
+    MAX_LATER_PIECE_HOLD_S, and waits its own hold after that."""
+    from asrserve.engine.waiting_queue import MAX_LATER_PIECE_HOLD_S
+
+    now = [0.0]
+    blocks = BlockManager(3000, 16, cross_len=1500)
+    config = SchedulerConfig(max_num_seqs=64, max_encoder_batch=1, encoder_time_share=0.5)
+    scheduler = Scheduler(config, blocks, EncoderCacheManager(1), FakeTokenizer(), max_model_len=448)
+    scheduler.waiting.clock = lambda: now[0]
+    later = SamplingParams(follows_earlier_text=True)
+    scheduler.add(make_request("a"))
+    scheduler.add(make_request("a2", params=later))
+    scheduler.add(make_request("a3", params=later))
+    admitted: dict[str, float] = {}
+    for i in range(12):
+        scheduler.add(make_request(f"short-{i}"))  # a first piece waiting at every step
+        output = scheduler.schedule()
+        admitted |= dict.fromkeys((r.request_id for r in output.encoder_requests), now[0])
+        now[0] += 0.4 if output.encoder_requests else 0.01
+        scheduler.update(output, SamplerOutput([1000] * len(output.scheduled), [-0.1] * len(output.scheduled)))
+    # a's forward ended at 0.4; a2 was first held at 0.4 (short-0 went ahead), so in at 1.6, the
+    # first step at least MAX_LATER_PIECE_HOLD_S later; a3, the head from then, waits its own hold.
+    assert admitted["a"] == 0 and admitted["short-0"] == pytest.approx(0.4)
+    assert MAX_LATER_PIECE_HOLD_S <= admitted["a2"] - 0.4 < MAX_LATER_PIECE_HOLD_S + 0.41
+    assert MAX_LATER_PIECE_HOLD_S <= admitted["a3"] - admitted["a2"] < MAX_LATER_PIECE_HOLD_S + 0.41
+    assert sum(name.startswith("short") for name in admitted) == 12 - 3  # a step each went to a, a2 and a3

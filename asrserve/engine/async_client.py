@@ -105,7 +105,9 @@ class AsyncEngineClient:
         to_engine_read.close()
         from_engine_write.close()
         loop = asyncio.get_running_loop()
-        threading.Thread(target=self._send_loop, args=(to_engine_write, loop), name="engine-sender", daemon=True).start()
+        threading.Thread(
+            target=self._send_loop, args=(to_engine_write, loop), name="engine-sender", daemon=True
+        ).start()
         threading.Thread(
             target=self._receive_loop, args=(from_engine_read, loop), name="engine-receiver", daemon=True
         ).start()

@@ -45,8 +45,8 @@ class SamplingParams:
     # non-streamed response reads only the end, and sending every token was, at 256 requests stepping
     # every 5 ms on a GPU, ~50,000 outputs a second to route: HTTP throughput a third of the engine's.
     stream_tokens: bool = True
-    # A later piece of a streamed upload, or a continuation, whose text goes out after the text
-    # before it: beside streamed decodes it may wait (engine.waiting_queue, encoder_time_share).
+    # A later piece of an upload (streamed or not), or a continuation, whose text goes out after
+    # the text before it: beside streamed decodes it may wait (engine.waiting_queue, encoder_time_share).
     follows_earlier_text: bool = False
     # Where the language is detected: the codes it may pick (OpenAI's `languages`); empty: any.
     languages: tuple[str, ...] = ()

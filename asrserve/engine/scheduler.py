@@ -15,8 +15,8 @@ preempted (blocks freed, back to the front of its class, recomputed on resumptio
 siblings start for requests with samples waiting, oldest first; then waiting requests are
 admitted in order while there is a sequence slot, room in this step's encoder batch and the
 encoder cache, blocks for their cross-attention and prompt, and (file work beside streamed
-decodes) the encoder's share of time (waiting_queue). A class's queue is never
-skipped, so nothing starves; the pool always holds one full-length sequence, so the oldest
+decodes) the encoder's share of time (waiting_queue). A class's queue is skipped only by
+first pieces, for at most a second; the pool always holds one full-length sequence, so the oldest
 request always advances. A greedy request given a draft (engine/draft.py) checks several of its
 guessed tokens in one step and takes as many as the decode agrees with."""
 

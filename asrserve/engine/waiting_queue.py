@@ -14,7 +14,7 @@ Latency first, without starving either class:
   work a steady share (one window per interval; while finals decode, up to MAX_URGENT_HOLD_S
   later).
 - With no interactive request running, file requests are admitted as many as fit, but a
-  later piece of a stream (follows_earlier_text), while streamed requests (stream_tokens: a
+  later piece of an upload (follows_earlier_text), while streamed requests (stream_tokens: a
   client reads their text as it comes) decode, waits until steps that run the encoder have
   taken at most `encoder_time_share` of the time (step_started, step_finished): after a step
   with encoder work that took T, until decode-only steps have run T * (1 - share) / share; a
@@ -24,7 +24,9 @@ Latency first, without starving either class:
   nearly the whole backlog to be encoded. Short files are first pieces, each its own stream's
   first text, and are never held (held, their time to first token went from 1.0 to 4.1 s at
   concurrency 8); nor is anything beside decodes whose text is sent whole (json, offline),
-  for which the larger decode batches finish everything sooner.
+  for which the larger decode batches finish everything sooner. A later piece is held whether
+  its own upload is streamed or not, and for at most MAX_LATER_PIECE_HOLD_S in a row: every
+  admission ahead of it (a first piece, a live decode) starts another hold.
 - The encoder batch (encoder_budget): while live decodes wait or run, and for LIVE_PAUSE_S
   after, interactive_encoder_batch audios a step (1 on CPU, whose encoder runs one audio after
   another), so a final decode that arrives waits behind at most that many other forwards.
@@ -55,6 +57,10 @@ MAX_URGENT_HOLD_S = 1.0
 # final decode would find in its way. File admissions are not held back: one a step still
 # keeps the encoder busy.
 LIVE_PAUSE_S = 2.0
+# The longest a later piece is held in a row beside streamed decodes (encoder_time_share):
+# every admission ahead of it starts another hold, so a steady flow of short files or live
+# decodes would otherwise hold a long upload's later pieces, and its text, as long as it lasts.
+MAX_LATER_PIECE_HOLD_S = 1.0
 
 
 class WaitingQueue:
@@ -72,6 +78,7 @@ class WaitingQueue:
         self._batch_runs_until = -float("inf")  # ... and until when they run, having sat out
         self._encoder_step_began: float | None = None
         self._decodes_alone_until = -float("inf")  # until then later pieces wait beside streamed decodes
+        self._later_held_since: float | None = None  # since when the batch head is such a piece, held
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.interactive if request.interactive else self.batch
@@ -96,7 +103,7 @@ class WaitingQueue:
     def remove(self, request: Request) -> None:
         queue = self._queue(request)
         if queue and queue[0] is request and not request.urgent:
-            self._held_since = None  # it was the one held: the next one waits its own hold
+            self._held_since = self._later_held_since = None  # it was the one held: the next waits its own
         queue.remove(request)
 
     def __len__(self) -> int:
@@ -177,8 +184,13 @@ class WaitingQueue:
         # streamed decodes' share of time (encoder_time_share); a stream's first piece goes ahead.
         # streaming() scans the running rows: asked last, only while a later piece would be held.
         head = self.batch[0]
-        if head.sampling_params.follows_earlier_text and self.clock() < self._decodes_alone_until and streaming():
-            return next((r for r in self.batch if not r.sampling_params.follows_earlier_text), None)
+        if head.sampling_params.follows_earlier_text and (now := self.clock()) < self._decodes_alone_until \
+                and streaming():
+            self._later_held_since = now if self._later_held_since is None else self._later_held_since
+            if now - self._later_held_since < MAX_LATER_PIECE_HOLD_S:
+                return next((r for r in self.batch if not r.sampling_params.follows_earlier_text), None)
+        else:
+            self._later_held_since = None
         return head
 
     def pop(self, request: Request) -> None:
@@ -193,6 +205,7 @@ class WaitingQueue:
             return
         if self.batch[0] is request:
             self.batch.popleft()
+            self._later_held_since = None
         else:  # a stream's first piece, ahead of later pieces held back (next_admissible)
             self.batch.remove(request)
         self._last_batch_admission = self.clock()
