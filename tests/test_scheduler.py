@@ -730,17 +730,23 @@ def test_samples_that_need_the_whole_context_finish_in_the_smallest_pool(num_blo
     assert_nothing_held(scheduler)
 
 
+def _scheduler_on_a_fake_clock(max_num_seqs: int, num_blocks: int) -> tuple[Scheduler, list[float]]:
+    """One audio per encoder forward and encoder_time_share 0.5; the clock reads now[0]."""
+    now = [0.0]
+    blocks = BlockManager(num_blocks, 16, cross_len=1500)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_encoder_batch=1, encoder_time_share=0.5)
+    scheduler = Scheduler(config, blocks, EncoderCacheManager(1), FakeTokenizer(), max_model_len=448)
+    scheduler.waiting.clock = lambda: now[0]
+    return scheduler, now
+
+
 def test_beside_streamed_decodes_later_pieces_wait_for_the_encoder_s_share_of_time():
     """encoder_time_share 0.5: beside streamed decodes, after a step that ran the encoder for T, a
     later piece of a stream waits until decode-only steps have run T (a backlog of pieces held
     every running decode, and so each stream's first text, to a token per encoder forward); a
     first piece (a short file, or a long one's opening) goes ahead of it, as do live requests;
     beside decodes whose text is sent whole, and with nothing decoding, nothing waits."""
-    now = [0.0]
-    blocks = BlockManager(800, 16, cross_len=1500)
-    config = SchedulerConfig(max_num_seqs=8, max_encoder_batch=1, encoder_time_share=0.5)
-    scheduler = Scheduler(config, blocks, EncoderCacheManager(1), FakeTokenizer(), max_model_len=448)
-    scheduler.waiting.clock = lambda: now[0]
+    scheduler, now = _scheduler_on_a_fake_clock(max_num_seqs=8, num_blocks=800)
     later = SamplingParams(follows_earlier_text=True)
 
     def timed_step() -> list[str]:
@@ -783,11 +789,7 @@ def test_first_pieces_going_ahead_hold_a_later_piece_at_most_max_later_piece_hol
     MAX_LATER_PIECE_HOLD_S, and waits its own hold after that."""
     from asrserve.engine.waiting_queue import MAX_LATER_PIECE_HOLD_S
 
-    now = [0.0]
-    blocks = BlockManager(3000, 16, cross_len=1500)
-    config = SchedulerConfig(max_num_seqs=64, max_encoder_batch=1, encoder_time_share=0.5)
-    scheduler = Scheduler(config, blocks, EncoderCacheManager(1), FakeTokenizer(), max_model_len=448)
-    scheduler.waiting.clock = lambda: now[0]
+    scheduler, now = _scheduler_on_a_fake_clock(max_num_seqs=64, num_blocks=3000)
     later = SamplingParams(follows_earlier_text=True)
     scheduler.add(make_request("a"))
     scheduler.add(make_request("a2", params=later))
