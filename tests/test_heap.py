@@ -46,3 +46,69 @@ def test_released_pages_read_as_zeros_and_leave_the_resident_set():
 def test_a_kv_pool_larger_than_the_machine_will_give_is_a_clear_error():
     with pytest.raises(ValueError, match=r"the KV cache of \d+ blocks \(.* GiB\) could not be allocated on cpu"):
         EngineCore(engine_config(dtype="float32", num_kv_blocks=1 << 36))
+
+
+def test_the_engine_hands_its_pool_back_once_idle_and_only_with_no_block_in_use(monkeypatch):
+    """The engine loop, idle IDLE_RELEASE_AFTER_S after work, releases once (not again while it
+    stays idle), and says whether any KV block is still in use; nothing before any work."""
+    import threading
+    import time
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from asrserve.engine import engine_process
+
+    monkeypatch.setattr(engine_process, "IDLE_RELEASE_AFTER_S", 0.05)
+    releases: list[bool] = []
+    steps_left = [0]
+    blocks = SimpleNamespace(num_used_blocks=0)
+
+    def step():
+        steps_left[0] -= 1
+        return []
+
+    runner = SimpleNamespace(release_idle_memory=lambda kv_pool_unused: releases.append(kv_pool_unused))
+    core = SimpleNamespace(has_work=lambda: steps_left[0] > 0, step=step, block_manager=blocks, abort=lambda _: None,
+                           runner=runner)
+    server_end, engine_end = Pipe()
+    _, outbox = Pipe()
+    loop = engine_process.EngineLoop(core, engine_end, outbox)
+    monkeypatch.setattr(loop, "_stats", lambda: None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+
+    def work_then_idle(used_blocks: int) -> None:
+        blocks.num_used_blocks = used_blocks
+        steps_left[0] = 2
+        expected = len(releases) + 1
+        server_end.send(("abort", []))  # wakes the loop, which then steps
+        deadline = time.monotonic() + 10
+        while len(releases) < expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # six more idle periods: no second release
+
+    time.sleep(0.3)
+    assert releases == []  # idle from the start: nothing to hand back
+    work_then_idle(used_blocks=0)
+    assert releases == [True]
+    work_then_idle(used_blocks=3)
+    assert releases == [True, False]
+    server_end.send(("shutdown", None))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_pool_the_os_will_not_take_back_stays_resident_and_the_engine_goes_on(monkeypatch, caplog):
+    """madvise can refuse (EINVAL on locked memory): that ended the engine process's loop."""
+    from types import SimpleNamespace
+
+    from asrserve.worker import model_runner
+
+    def refuse(pages):
+        raise OSError(22, "madvise(MADV_DONTNEED) failed on the KV pool")
+
+    monkeypatch.setattr(model_runner, "release_pages", refuse)
+    monkeypatch.setattr(model_runner, "return_freed_memory", lambda: None)
+    runner = SimpleNamespace(device=torch.device("cpu"), kv_cache=torch.zeros(4))
+    model_runner.ModelRunner.release_idle_memory(runner, kv_pool_unused=True)
+    assert "stay resident" in caplog.text

@@ -150,7 +150,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             return_freed_memory()
             if kv_pool_unused:
-                release_pages(self.kv_cache)
+                try:
+                    release_pages(self.kv_cache)
+                except OSError as error:  # (locked memory: EINVAL) the pool stays resident; the engine goes on
+                    logger.warning("could not hand the idle KV pool's pages back (%s); they stay resident", error)
 
     # --- sizing the KV pool -----------------------------------------------------------
 
