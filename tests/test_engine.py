@@ -313,6 +313,12 @@ def test_iso_639_1_codes_whisper_spells_otherwise_are_taken():
 def test_pool_too_small_for_one_request_is_refused():
     with pytest.raises(ValueError, match="cannot hold one full-length request"):
         EngineCore(engine_config(dtype="float32", num_kv_blocks=100))
+    # A memory budget smaller than one block: the same message (it was torch's "both buffer
+    # length (1) and count (0) must not be 0", from mapping a pool of no pages).
+    config = engine_config(dtype="float32")
+    config.cache.kv_cache_memory_gb = 1e-6
+    with pytest.raises(ValueError, match="a KV pool of 0 blocks cannot hold one full-length request"):
+        EngineCore(config)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -59,7 +59,9 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     import torch
 
     nbytes = math.prod(shape) * dtype.itemsize
-    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes == 0:  # (a pool of no blocks: whoever asked for it says why that cannot serve)
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # (frombuffer keeps `mapping` alive as long as any view of the tensor is)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
