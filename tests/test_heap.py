@@ -112,3 +112,36 @@ def test_a_pool_the_os_will_not_take_back_stays_resident_and_the_engine_goes_on(
     runner = SimpleNamespace(device=torch.device("cpu"), kv_cache=torch.zeros(4))
     model_runner.ModelRunner.release_idle_memory(runner, kv_pool_unused=True)
     assert "stay resident" in caplog.text
+
+
+def test_the_memory_limit_is_the_container_s_or_the_machine_s_whichever_is_less(tmp_path):
+    from asrserve.worker.heap import memory_limit_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemFree:  100 kB\nMemTotal:       8000000 kB\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("max\n")
+    assert memory_limit_bytes(str(v2), str(meminfo)) == 8000000 * 1024  # no limit: the machine's RAM
+    (v2 / "memory.max").write_text("4294967296\n")
+    assert memory_limit_bytes(str(v2), str(meminfo)) == 4 << 30  # a 4Gi pod
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert memory_limit_bytes(str(v1), str(meminfo)) == 8000000 * 1024
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("2147483648\n")
+    assert memory_limit_bytes(str(v1), str(meminfo)) == 2 << 30
+    assert memory_limit_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_a_pool_past_the_memory_there_is_is_named_at_start(monkeypatch, caplog):
+    """Its pages are committed as written, so such a pool starts, then runs out under load."""
+    from asrserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "memory_limit_bytes", lambda: 64 << 20)  # 64 MiB
+    EngineCore(engine_config(dtype="float32", num_kv_blocks=4000))  # 0.73 GiB of pool (tiny.en, float32)
+    assert "are more than the 0.06 GiB of memory this process may use" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(model_runner, "memory_limit_bytes", lambda: 8 << 30)
+    EngineCore(engine_config(dtype="float32", num_kv_blocks=4000))
+    assert "may use" not in caplog.text

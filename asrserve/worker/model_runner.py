@@ -21,7 +21,8 @@ from asrserve.model.packed_linear import PACKED_DTYPES, pack_decoder_linears, pa
 from asrserve.model.rounded_logits import ExactLogits
 from asrserve.worker import cpu_sampling, draft_rows
 from asrserve.worker.cuda_graphs import DecodeGraphs, is_graphable
-from asrserve.worker.heap import keep_freed_memory_mapped, release_pages, return_freed_memory, zeroed_pages
+from asrserve.worker.heap import (keep_freed_memory_mapped, memory_limit_bytes, release_pages, return_freed_memory,
+                                  zeroed_pages)
 from asrserve.worker.input_batch import DecoderInputBuilder, DecoderInputs
 from asrserve.worker.memory_profile import blocks_per_request, gpu_kv_blocks
 from asrserve.worker.sampler import Sampler, SamplerOutput, to_device
@@ -142,6 +143,7 @@ class ModelRunner:
             self.decode_graphs.capture()
         if device.type == "cpu":
             keep_freed_memory_mapped()
+            self._warn_if_the_pool_cannot_fit()
 
     def release_idle_memory(self, kv_pool_unused: bool) -> None:
         """The engine has nothing to do: hand the freed heap back, and, where no block of the KV
@@ -156,6 +158,19 @@ class ModelRunner:
                     logger.warning("could not hand the idle KV pool's pages back (%s); they stay resident", error)
 
     # --- sizing the KV pool -----------------------------------------------------------
+
+    def _warn_if_the_pool_cannot_fit(self) -> None:
+        """On CPU the pool's pages are committed as requests first write them (zeroed_pages), so
+        a pool larger than the memory there is starts, and is killed under load, every request
+        in flight with it (torch.zeros failed at start)."""
+        limit = memory_limit_bytes()
+        pool = self.kv_cache.numel() * self.kv_cache.element_size()
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if limit is not None and pool + weights > limit:
+            logger.warning("the KV pool (%.2f GiB) and the weights (%.2f GiB) are more than the %.2f GiB of memory "
+                           "this process may use: under load it would run out; lower --kv-cache-memory-gb, "
+                           "--num-kv-blocks or --max-num-seqs",
+                           pool / (1 << 30), weights / (1 << 30), limit / (1 << 30))
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         head_dim = self.dims.n_text_state // self.dims.n_text_head
