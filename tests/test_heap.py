@@ -114,24 +114,35 @@ def test_a_pool_the_os_will_not_take_back_stays_resident_and_the_engine_goes_on(
     assert "stay resident" in caplog.text
 
 
-def test_the_memory_limit_is_the_container_s_or_the_machine_s_whichever_is_less(tmp_path):
-    from asrserve.worker.heap import memory_limit_bytes
+def test_the_memory_limit_is_the_container_s_or_the_machine_s_whichever_is_less(tmp_path, monkeypatch):
+    from asrserve.worker import heap
+    from asrserve.worker.cpu_quota import cgroup_memory_limit
+
+    v2, proc = tmp_path / "v2", tmp_path / "proc_cgroup"
+    v2.mkdir()
+    proc.write_text("0::/\n")
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_memory_limit(v2, proc) is None
+    (v2 / "memory.max").write_text("4294967296\n")
+    assert cgroup_memory_limit(v2, proc) == 4 << 30  # a 4Gi pod
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    proc.write_text("5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")  # (the host's path: the mount is read)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_memory_limit(v1, proc) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("2147483648\n")
+    assert cgroup_memory_limit(v1, proc) == 2 << 30
+    assert cgroup_memory_limit(tmp_path / "none", tmp_path / "none") is None
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemFree:  100 kB\nMemTotal:       8000000 kB\n")
-    v2 = tmp_path / "v2"
-    v2.mkdir()
-    (v2 / "memory.max").write_text("max\n")
-    assert memory_limit_bytes(str(v2), str(meminfo)) == 8000000 * 1024  # no limit: the machine's RAM
-    (v2 / "memory.max").write_text("4294967296\n")
-    assert memory_limit_bytes(str(v2), str(meminfo)) == 4 << 30  # a 4Gi pod
-    v1 = tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
-    assert memory_limit_bytes(str(v1), str(meminfo)) == 8000000 * 1024
-    (v1 / "memory" / "memory.limit_in_bytes").write_text("2147483648\n")
-    assert memory_limit_bytes(str(v1), str(meminfo)) == 2 << 30
-    assert memory_limit_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    monkeypatch.setattr(heap, "cgroup_memory_limit", lambda: None)
+    assert heap.memory_limit_bytes(str(meminfo)) == 8000000 * 1024  # no limit: the machine's RAM
+    monkeypatch.setattr(heap, "cgroup_memory_limit", lambda: 4 << 30)
+    assert heap.memory_limit_bytes(str(meminfo)) == 4 << 30
+    assert heap.memory_limit_bytes(str(tmp_path / "none")) == 4 << 30
+    monkeypatch.setattr(heap, "cgroup_memory_limit", lambda: None)
+    assert heap.memory_limit_bytes(str(tmp_path / "none")) is None
 
 
 def test_a_pool_past_the_memory_there_is_is_named_at_start(monkeypatch, caplog):

@@ -1,5 +1,5 @@
 """How many CPUs this process may use: its affinity mask and its control group's CPU quota
-(`docker run --cpus`, a Kubernetes CPU limit).
+(`docker run --cpus`, a Kubernetes CPU limit); and its control group's memory limit.
 
 os.cpu_count() and torch's default thread count see the host's cores. In a container limited
 to 2 CPUs on a 64-core host, every torch and C-kernel team would start 64 threads, which the
@@ -23,21 +23,43 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The tightest CPU quota on this process's control group and its parents, in CPUs, or
     None where there is none (or no cgroup file system to read)."""
+    limits = [_v2_limit(directory) if v2 else _v1_limit(directory)
+              for v2, directory in _groups("cpu", ("cpu", "cpu,cpuacct", "cpuacct,cpu"), root, proc_cgroup)]
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
+def cgroup_memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+    """The tightest memory limit on this process's control group and its parents, in bytes, or
+    None where there is none (v2's "max", v1's page-rounded 2^63)."""
+    limits = []
+    for v2, directory in _groups("memory", ("memory",), root, proc_cgroup):
+        try:
+            text = (directory / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 62:
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def _groups(controller: str, v1_mounts: tuple[str, ...], root: Path, proc_cgroup: Path) -> list[tuple[bool, Path]]:
+    """(cgroup v2?, directory) for this process's group and its parents in the hierarchy that
+    holds `controller` (v1: mounted under one of v1_mounts)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    groups = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":  # cgroup v2: one hierarchy
-            limits += [_v2_limit(directory) for directory in _levels(root, path)]
-        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's own hierarchy
-            mount = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / name).is_dir()), None)
+            groups += [(True, directory) for directory in _levels(root, path)]
+        elif controller in controllers.split(","):  # cgroup v1: the controller's own hierarchy
+            mount = next((root / name for name in v1_mounts if (root / name).is_dir()), None)
             if mount is not None:
-                limits += [_v1_limit(directory) for directory in _levels(mount, path)]
-    known = [limit for limit in limits if limit is not None]
-    return min(known) if known else None
+                groups += [(False, directory) for directory in _levels(mount, path)]
+    return groups
 
 
 def _levels(mount: Path, path: str) -> list[Path]:

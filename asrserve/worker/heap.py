@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asrserve.worker.cpu_quota import cgroup_memory_limit
+
 if TYPE_CHECKING:  # (torch only where the KV pool lives: the API process imports this module too)
     import torch
 
@@ -92,18 +94,10 @@ def release_pages(pages: torch.Tensor) -> None:
             raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on the KV pool")
 
 
-def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo") -> int | None:
-    """The most memory this process may use: its container's limit (cgroup v2's memory.max,
-    v1's memory.limit_in_bytes) or the machine's RAM, whichever is less; None where neither
-    can be read."""
-    limits = []
-    for path in (Path(cgroup_root, "memory.max"), Path(cgroup_root, "memory", "memory.limit_in_bytes")):
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 1 << 62:  # ("max", or v1's page-rounded 2^63: no limit)
-            limits.append(int(text))
+def memory_limit_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The most memory this process may use: its control group's limit (a container's) or the
+    machine's RAM, whichever is less; None where neither can be read."""
+    limits = [limit] if (limit := cgroup_memory_limit()) is not None else []
     try:
         found = re.search(r"^MemTotal:\s+(\d+) kB", Path(meminfo).read_text(), re.MULTILINE)
     except OSError:

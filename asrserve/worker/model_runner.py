@@ -59,6 +59,8 @@ class ModelRunner:
         self.model = loaded.model
         self.dims = loaded.model.dims
         self.device = device
+        # (counted before the CPU linears are packed: packed weights are not parameters)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         if device.type == "cuda" and device.index is not None:
             # Triton launches, CUDA graph capture, streams and events act on the current device,
             # not the tensors' (cuda:N with N > 0); the engine process runs on one device.
@@ -143,7 +145,7 @@ class ModelRunner:
             self.decode_graphs.capture()
         if device.type == "cpu":
             keep_freed_memory_mapped()
-            self._warn_if_the_pool_cannot_fit()
+            self._warn_if_the_pool_cannot_fit(weight_bytes)
 
     def release_idle_memory(self, kv_pool_unused: bool) -> None:
         """The engine has nothing to do: hand the freed heap back, and, where no block of the KV
@@ -159,13 +161,12 @@ class ModelRunner:
 
     # --- sizing the KV pool -----------------------------------------------------------
 
-    def _warn_if_the_pool_cannot_fit(self) -> None:
+    def _warn_if_the_pool_cannot_fit(self, weights: int) -> None:
         """On CPU the pool's pages are committed as requests first write them (zeroed_pages), so
         a pool larger than the memory there is starts, and is killed under load, every request
         in flight with it (torch.zeros failed at start)."""
         limit = memory_limit_bytes()
         pool = self.kv_cache.numel() * self.kv_cache.element_size()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if limit is not None and pool + weights > limit:
             logger.warning("the KV pool (%.2f GiB) and the weights (%.2f GiB) are more than the %.2f GiB of memory "
                            "this process may use: under load it would run out; lower --kv-cache-memory-gb, "
